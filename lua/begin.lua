@@ -1,0 +1,33 @@
+--[[
+  begin: before an executor delivers, check that each occurrence's token is still current and
+  hold its lease for the delivery (at least until now + hold_ms).
+
+  KEYS[1] lease  ZSET  member -> lease deadline (ms)
+  KEYS[2] occ    HASH  member -> "nominal|attempt|token|fires"
+  ARGV[1] now_ms (ms, optional: '' reads the server clock; tests only)
+  ARGV[2..] triples: member, token, hold_ms (ms)
+
+  Returns one code per triple: 1 current (lease held), 0 stale (completed, retried, reclaimed
+  or revoked since the message was published: do not deliver).
+]]
+local lease, occ = KEYS[1], KEYS[2]
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local results = {}
+for i = 2, #ARGV, 3 do
+  local member, token, hold = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  local current = redis.call('HGET', occ, member)
+  if current and string.match(current, '^[^|]*|[^|]*|([^|]*)|') == token then
+    redis.call('ZADD', lease, 'GT', now + hold, member)
+    results[#results + 1] = 1
+  else
+    results[#results + 1] = 0
+  end
+end
+return results

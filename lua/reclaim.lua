@@ -1,0 +1,42 @@
+--[[
+  reclaim: leases past their deadline go back to `due` (due now) with their token cleared, so
+  the message that carried them is stale and the occurrence is published again. The attempt
+  number stays: an expired lease does not prove that a delivery was attempted.
+
+  KEYS[1] due    ZSET  member -> fire time (ms)
+  KEYS[2] lease  ZSET  member -> lease deadline (ms)
+  KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires"
+  KEYS[4] sched  HASH  ns/id  -> compact schedule
+  ARGV[1] limit  (count) most leases to reclaim
+  ARGV[2] now_ms (ms, optional: '' reads the server clock; tests only)
+
+  Returns {reclaimed, dropped, members...}: dropped counts leases whose schedule is gone.
+]]
+local due, lease, occ, sched = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local limit = tonumber(ARGV[1])
+local now
+if ARGV[2] and ARGV[2] ~= '' then
+  now = tonumber(ARGV[2])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local expired = redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, limit)
+local out = {0, 0}
+for _, member in ipairs(expired) do
+  redis.call('ZREM', lease, member)
+  local base = string.match(member, '^[^#]*')
+  local current = redis.call('HGET', occ, member)
+  if current and redis.call('HEXISTS', sched, base) == 1 then
+    local nominal, attempt, fires = string.match(current, '^([^|]*)|([^|]*)|[^|]*|([^|]*)$')
+    redis.call('HSET', occ, member, nominal .. '|' .. attempt .. '||' .. fires)
+    redis.call('ZADD', due, now, member)
+    out[1] = out[1] + 1
+    out[#out + 1] = member
+  else
+    redis.call('HDEL', occ, member)
+    out[2] = out[2] + 1
+  end
+end
+return out

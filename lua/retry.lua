@@ -1,0 +1,41 @@
+--[[
+  retry: the same occurrence goes back into `due` at now + delay with attempt + 1 and no token,
+  so the message that carried the failed attempt is stale from now on.
+
+  KEYS[1] due    ZSET  member -> fire time (ms)
+  KEYS[2] lease  ZSET  member -> lease deadline (ms)
+  KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires"
+  ARGV[1] now_ms (ms, optional: '' reads the server clock; tests only)
+  ARGV[2..] triples: member, token, delay_ms (ms)
+
+  Returns one code per triple: 1 rescheduled, 0 stale (token no longer current).
+]]
+local due, lease, occ = KEYS[1], KEYS[2], KEYS[3]
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local results = {}
+for i = 2, #ARGV, 3 do
+  local member, token, delay = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  local current = redis.call('HGET', occ, member)
+  local nominal, attempt, current_token, fires
+  if current then
+    nominal, attempt, current_token, fires =
+      string.match(current, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  end
+  if current_token == token then
+    redis.call('ZREM', lease, member)
+    redis.call('HSET', occ, member,
+      nominal .. '|' .. (tonumber(attempt) + 1) .. '||' .. fires)
+    redis.call('ZADD', due, now + delay, member)
+    results[#results + 1] = 1
+  else
+    results[#results + 1] = 0
+  end
+end
+return results

@@ -1,0 +1,67 @@
+--[[
+  upsert: the intake's (and the rebuild's) write of schedules into the index. A write older
+  than the stored version changes nothing, so writes that race arrive in version order.
+
+  KEYS[1] due    ZSET  member -> fire time (ms)
+  KEYS[2] lease  ZSET  member -> lease deadline (ms)
+  KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires"
+  KEYS[4] sched  HASH  ns/id  -> compact schedule (starts with {"v":<version>)
+  ARGV sextuples: member, version, schedule, mode,
+                  next_fire_ms ('' : none), next_occ ('' : default state)
+    mode 'keep'  : store the schedule; keep its rotation if it has one (due or in flight),
+                   else start it at next_fire_ms (a rebuild, or a change that keeps the times)
+    mode 'reset' : store the schedule; revoke any occurrence in flight; start at next_fire_ms
+    mode 'park'  : store the schedule; revoke and take it out of rotation (paused)
+
+  Returns one code per sextuple: 1 written, -1 stale (the index holds a newer version).
+]]
+local due, lease, occ, sched = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+
+local function stored_version(member)
+  local current = redis.call('HGET', sched, member)
+  if not current then
+    return nil
+  end
+  return tonumber(string.match(current, '^{"v":(%d+)'))
+end
+
+local function revoke(member)
+  redis.call('ZREM', due, member)
+  redis.call('ZREM', lease, member)
+  redis.call('HDEL', occ, member)
+end
+
+local function start(member, next_fire, next_occ)
+  if next_fire ~= '' then
+    redis.call('ZADD', due, next_fire, member)
+    if next_occ ~= '' then
+      redis.call('HSET', occ, member, next_occ)
+    end
+  end
+end
+
+local function in_rotation(member)
+  return redis.call('ZSCORE', due, member) or redis.call('ZSCORE', lease, member)
+end
+
+local results = {}
+for i = 1, #ARGV, 6 do
+  local member, version, plan, mode, next_fire, next_occ =
+    ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
+  local stored = stored_version(member)
+  if stored and stored > version then
+    results[#results + 1] = -1
+  else
+    redis.call('HSET', sched, member, plan)
+    if mode == 'park' then
+      revoke(member)
+    elseif mode == 'reset' then
+      revoke(member)
+      start(member, next_fire, next_occ)
+    elseif not in_rotation(member) then
+      start(member, next_fire, next_occ)
+    end
+    results[#results + 1] = 1
+  end
+end
+return results

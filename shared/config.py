@@ -1,0 +1,113 @@
+"""Configuration from ``CRONBUS_*`` environment variables (pydantic-settings), one class per service.
+
+Every setting is documented in README's configuration table; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.validation import TargetPolicy
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+class CommonSettings(BaseSettings):
+    """Settings every service reads."""
+
+    model_config = SettingsConfigDict(env_prefix="CRONBUS_", extra="ignore", frozen=True)
+
+    #: Redis (any node of a cluster when redis_cluster is set).
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Talk to a Redis Cluster: each shard's keys share a hash tag, so scripts touch one slot.
+    redis_cluster: bool = False
+    #: Prefix of every Redis key (side-by-side installs and tests use their own).
+    redis_prefix: str = Field(default="cronbus", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    database_url: str = "postgresql://postgres@127.0.0.1:5432/cronbus"
+    #: Logical shards of the index; fixed at install (changing it needs a rebuild).
+    shards: int = Field(default=16, ge=1, le=1024)
+    #: Port of /metrics, /healthz and /readyz (0: any free port, logged at start).
+    metrics_port: int = Field(default=9100, ge=0, le=65535)
+    #: How long a claimed occurrence may stay in flight before the sweeper reclaims it.
+    lease_s: float = Field(default=30, gt=0, le=3600)
+    #: How often the sweeper reclaims expired leases and checks the index.
+    sweep_interval_s: float = Field(default=5, gt=0, le=3600)
+    #: On SIGTERM, how long a service may take to finish what it holds.
+    shutdown_grace_s: float = Field(default=20, ge=0, le=600)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    #: json: one JSON object per line; text: for people at a terminal.
+    log_format: Literal["json", "text"] = "json"
+
+
+class DispatcherSettings(CommonSettings):
+    """The dispatcher service: command intake and claiming due occurrences."""
+
+    metrics_port: int = Field(default=9101, ge=0, le=65535)
+    #: Most occurrences one claim.lua call takes from a shard.
+    claim_batch: int = Field(default=1000, ge=1, le=10_000)
+    #: Most occurrences carried by one message on cronbus.deliveries.
+    delivery_batch: int = Field(default=100, ge=1, le=1000)
+    #: Stop claiming while cronbus.deliveries holds more ready messages than this.
+    deliveries_high_water: int = Field(default=500, ge=1)
+    #: Longest sleep between claims when nothing is due sooner.
+    max_sleep_s: float = Field(default=1.0, gt=0, le=60)
+    #: Unacknowledged commands the intake works on at once.
+    commands_prefetch: int = Field(default=32, ge=1, le=10_000)
+    #: Comma-separated host globs webhook targets may call.
+    webhook_allowed_hosts: str = "*"
+    #: Comma-separated networks a webhook URL with a literal address may not call.
+    webhook_denied_networks: str = "169.254.0.0/16,fe80::/10"
+    #: Comma-separated exchange globs AMQP targets may publish to.
+    amqp_allowed_exchanges: str = "*"
+    #: Largest JSON body a target may carry.
+    max_body_bytes: int = Field(default=65_536, ge=0)
+
+    def target_policy(self) -> TargetPolicy:
+        return TargetPolicy(
+            allowed_hosts=_csv(self.webhook_allowed_hosts),
+            denied_networks=_csv(self.webhook_denied_networks),
+            allowed_exchanges=_csv(self.amqp_allowed_exchanges),
+            max_body_bytes=self.max_body_bytes,
+        )
+
+
+class ExecutorSettings(CommonSettings):
+    """The executor service: delivering occurrences and rescheduling the next ones."""
+
+    metrics_port: int = Field(default=9102, ge=0, le=65535)
+    #: Delivery messages held unacknowledged at once.
+    prefetch: int = Field(default=64, ge=1, le=65_535)
+    #: Deliveries (HTTP calls or publishes) in flight at once.
+    concurrency: int = Field(default=512, ge=1, le=100_000)
+    #: Open HTTP connections per target host.
+    http_connections_per_host: int = Field(default=256, ge=1)
+    #: Longest wait before completions are written to Redis in a batch.
+    complete_flush_ms: int = Field(default=5, ge=0, le=10_000)
+    #: Longest wait before execution rows are written to PostgreSQL in a batch.
+    audit_flush_ms: int = Field(default=500, ge=1, le=60_000)
+    #: Execution rows kept in memory while PostgreSQL is away; when full, consuming pauses.
+    audit_buffer_max: int = Field(default=200_000, ge=1000)
+    #: Which outcomes go to cronbus.events: all, failures (failed, dead) or none.
+    events: Literal["all", "failures", "none"] = "all"
+
+
+class SweeperSettings(CommonSettings):
+    """The sweeper service: reclaiming leases, rebuilding the index, drift repair, retention."""
+
+    metrics_port: int = Field(default=9103, ge=0, le=65535)
+    #: Most leases one reclaim.lua call takes from a shard.
+    reclaim_batch: int = Field(default=1000, ge=1, le=100_000)
+    #: Schedules written to Redis per pipeline during a rebuild.
+    rebuild_batch: int = Field(default=2000, ge=1, le=100_000)
+    #: How often the index is compared with PostgreSQL.
+    drift_check_interval_s: float = Field(default=60, gt=0)
+    #: Executions older than this many days are dropped (a whole day partition at a time).
+    retention_days: int = Field(default=7, ge=1, le=3650)
+    #: Daily execution partitions created ahead of time.
+    partitions_ahead_days: int = Field(default=3, ge=1, le=60)

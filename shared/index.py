@@ -1,0 +1,279 @@
+"""The Redis index: typed calls of the Lua scripts, one shard at a time or pipelined.
+
+Only this module (and ``shared.lua``) talks to Redis about schedules. Every call that can be
+batched is: one script call per shard carries many items, and calls for several shards go in
+one pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from shared import keys, lua
+from shared.config import CommonSettings
+
+RedisClient = aioredis.Redis | RedisCluster
+UpsertMode = Literal["keep", "reset", "park"]
+
+
+def connect(settings: CommonSettings) -> RedisClient:
+    """A client for the configured Redis (standalone or cluster); it reconnects by itself."""
+    options: dict[str, Any] = {
+        "socket_timeout": 10,
+        "socket_connect_timeout": 5,
+        "health_check_interval": 15,
+    }
+    if settings.redis_cluster:
+        return RedisCluster.from_url(settings.redis_url, **options)
+    return aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)
+
+
+def occ_state(nominal_ms: int, attempt: int = 1, token: int | str = "", fires: int = 0) -> str:
+    return f"{nominal_ms}|{attempt}|{token}|{fires}"
+
+
+def resting_occ_state(nominal_ms: int, fire_ms: int, fires: int, counts_fires: bool) -> str:
+    """The occ value a not-yet-claimed occurrence needs, or "" when the defaults say it all.
+
+    Most schedules rest with no occ entry at all (nominal = due score, attempt 1, no count),
+    which keeps Redis memory per idle schedule small.
+    """
+    if nominal_ms == fire_ms and not counts_fires:
+        return ""
+    return occ_state(nominal_ms, 1, "", fires)
+
+
+@dataclass(slots=True)
+class Claimed:
+    shard: int
+    member: str
+    fire_ms: int
+    nominal_ms: int
+    attempt: int
+    token: int
+    fires: int
+    #: The compact schedule as stored (see ``shared.compact``).
+    plan: bytes
+
+
+@dataclass(slots=True)
+class ClaimResult:
+    shard: int
+    now_ms: int
+    #: Earliest fire time still waiting in the shard, None when it is empty.
+    next_due_ms: int | None
+    orphans: int
+    claimed: list[Claimed]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    member: str
+    token: int
+    next_fire_ms: int | None
+    next_occ: str = ""
+    #: The schedule is over (max_fires, end_at or a once): drop its stored copy.
+    finish: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Upsert:
+    member: str
+    version: int
+    plan: bytes
+    mode: UpsertMode
+    next_fire_ms: int | None
+    next_occ: str = ""
+
+
+def _opt(value: int | None) -> str | int:
+    return "" if value is None else value
+
+
+def _parse_claim(shard: int, reply: list[Any]) -> ClaimResult:
+    next_due = int(reply[1])
+    claimed = [
+        Claimed(
+            shard=shard,
+            member=reply[i].decode(),
+            fire_ms=int(reply[i + 1]),
+            nominal_ms=int(reply[i + 2]),
+            attempt=int(reply[i + 3]),
+            token=int(reply[i + 4]),
+            fires=int(reply[i + 5]),
+            plan=reply[i + 6],
+        )
+        for i in range(3, len(reply), 7)
+    ]
+    return ClaimResult(shard, int(reply[0]), None if next_due < 0 else next_due, int(reply[2]),
+                       claimed)
+
+
+class Index:
+    """The sharded index under one key prefix."""
+
+    def __init__(self, client: RedisClient, redis_keys: keys.RedisKeys, shards: int) -> None:
+        self.client = client
+        self.keys = redis_keys
+        self.shards = shards
+
+    def shard_of(self, namespace: str, schedule_id: str) -> int:
+        return keys.shard_of(namespace, schedule_id, self.shards)
+
+    def _keys(self, shard: int, *roles: str) -> list[str]:
+        names = {
+            "due": self.keys.due,
+            "lease": self.keys.lease,
+            "occ": self.keys.occ,
+            "sched": self.keys.sched,
+            "seq": self.keys.seq,
+        }
+        return [names[role](shard) for role in roles]
+
+    async def load_scripts(self) -> None:
+        await lua.load_all(self.client)
+
+    async def _pipeline(self, calls: Sequence[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        """Run script calls in one round trip; calls Redis did not know the script for are
+        loaded and run again (only those: the others have already taken effect)."""
+        if len(calls) == 1:
+            name, call_keys, args = calls[0]
+            return [await lua.call(self.client, name, call_keys, args)]
+        results = await self._execute(calls)
+        missing = [i for i, result in enumerate(results) if lua.is_noscript(result)]
+        if missing:
+            await lua.load_all(self.client)
+            again = await self._execute([calls[i] for i in missing])
+            for i, result in zip(missing, again, strict=True):
+                results[i] = result
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
+
+    async def _execute(self, calls: Sequence[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for name, call_keys, args in calls:
+            lua.queue(pipe, name, call_keys, args)
+        return list(await pipe.execute(raise_on_error=False))
+
+    # --- dispatcher -------------------------------------------------------------------------
+
+    async def claim(
+        self, shards: Iterable[int], limit: int, lease_ms: int, now_ms: int | None = None
+    ) -> list[ClaimResult]:
+        order = list(shards)
+        calls = [
+            ("claim", self._keys(s, "due", "lease", "occ", "sched", "seq"),
+             [limit, lease_ms, _opt(now_ms)])
+            for s in order
+        ]
+        replies = await self._pipeline(calls)
+        return [_parse_claim(s, reply) for s, reply in zip(order, replies, strict=True)]
+
+    # --- executor ---------------------------------------------------------------------------
+
+    async def begin(
+        self, items: dict[int, list[tuple[str, int, int]]], now_ms: int | None = None
+    ) -> dict[int, list[int]]:
+        """Per shard, (member, token, hold_ms) -> 1 current (lease held) or 0 stale."""
+        calls = [
+            ("begin", self._keys(s, "lease", "occ"),
+             [_opt(now_ms), *[v for item in batch for v in item]])
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def complete(self, items: dict[int, list[Completion]]) -> dict[int, list[int]]:
+        """Per shard, 1 completed or 0 stale for each completion."""
+        calls = []
+        for shard, batch in items.items():
+            args: list[Any] = []
+            for c in batch:
+                args += [c.member, c.token, _opt(c.next_fire_ms), c.next_occ, int(c.finish)]
+            calls.append(("complete", self._keys(shard, "due", "lease", "occ", "sched"), args))
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def retry(
+        self, items: dict[int, list[tuple[str, int, int]]], now_ms: int | None = None
+    ) -> dict[int, list[int]]:
+        """Per shard, (member, token, delay_ms) -> 1 rescheduled or 0 stale."""
+        calls = [
+            ("retry", self._keys(s, "due", "lease", "occ"),
+             [_opt(now_ms), *[v for item in batch for v in item]])
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    # --- sweeper ----------------------------------------------------------------------------
+
+    async def reclaim(
+        self, shards: Iterable[int], limit: int, now_ms: int | None = None
+    ) -> dict[int, tuple[int, int]]:
+        """Per shard, (reclaimed, dropped)."""
+        order = list(shards)
+        calls = [
+            ("reclaim", self._keys(s, "due", "lease", "occ", "sched"), [limit, _opt(now_ms)])
+            for s in order
+        ]
+        replies = await self._pipeline(calls)
+        return {s: (int(r[0]), int(r[1])) for s, r in zip(order, replies, strict=True)}
+
+    # --- intake and rebuild -----------------------------------------------------------------
+
+    async def upsert(self, items: dict[int, list[Upsert]]) -> dict[int, list[int]]:
+        """Per shard, 1 written or -1 stale (a newer version is stored) for each upsert."""
+        calls = []
+        for shard, batch in items.items():
+            args: list[Any] = []
+            for u in batch:
+                args += [u.member, u.version, u.plan, u.mode, _opt(u.next_fire_ms), u.next_occ]
+            calls.append(("upsert", self._keys(shard, "due", "lease", "occ", "sched"), args))
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def remove(self, items: dict[int, list[tuple[str, int | None]]]) -> dict[int, list[int]]:
+        """Per shard, (member, version or None) -> 1 removed, 0 absent, -1 newer stored."""
+        calls = [
+            ("remove", self._keys(s, "due", "lease", "occ", "sched"),
+             [v for member, version in batch for v in (member, _opt(version))])
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def add_trigger(self, shard: int, member: str, fire_ms: int) -> None:
+        await self.client.zadd(self.keys.due(shard), {member: fire_ms}, nx=True)
+
+    # --- reads ------------------------------------------------------------------------------
+
+    async def stored_plan(self, shard: int, member: str) -> bytes | None:
+        value: bytes | None = await self.client.hget(self.keys.sched(shard), member)
+        return value
+
+    async def due_count(self, shard: int) -> int:
+        return int(await self.client.zcard(self.keys.due(shard)))
+
+    async def lease_count(self, shard: int) -> int:
+        return int(await self.client.zcard(self.keys.lease(shard)))
+
+    async def position(self, shard: int, member: str) -> tuple[int | None, int | None, str | None]:
+        """(due fire ms, lease deadline ms, occ value) of a member: for tests and ``get``."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zscore(self.keys.due(shard), member)
+        pipe.zscore(self.keys.lease(shard), member)
+        pipe.hget(self.keys.occ(shard), member)
+        due, lease, occ = await pipe.execute()
+        return (
+            None if due is None else int(due),
+            None if lease is None else int(lease),
+            None if occ is None else occ.decode(),
+        )

@@ -1,0 +1,141 @@
+"""Every Redis key and RabbitMQ name cronbus uses, in one place (pure: no I/O).
+
+Each shard's keys share the hash tag ``{s}`` so that a shard lives in one Redis Cluster slot
+and every Lua script touches a single slot.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Final
+
+DEFAULT_PREFIX: Final = "cronbus"
+
+#: Separates a schedule's member from a trigger's fire time: ``ns/id#1767258000000``.
+TRIGGER_SEPARATOR: Final = "#"
+
+
+def member(namespace: str, schedule_id: str) -> str:
+    """The index member of a schedule: ``namespace/id`` (neither part may contain ``/`` or ``#``)."""
+    return f"{namespace}/{schedule_id}"
+
+
+def split_member(value: str) -> tuple[str, str, int | None]:
+    """``ns/id`` or ``ns/id#trigger_ms`` -> (namespace, id, trigger_ms or None)."""
+    base, _, trigger = value.partition(TRIGGER_SEPARATOR)
+    namespace, _, schedule_id = base.partition("/")
+    return namespace, schedule_id, int(trigger) if trigger else None
+
+
+def trigger_member(namespace: str, schedule_id: str, fire_ms: int) -> str:
+    return f"{member(namespace, schedule_id)}{TRIGGER_SEPARATOR}{fire_ms}"
+
+
+def shard_of(namespace: str, schedule_id: str, shards: int) -> int:
+    """Stable shard of a schedule: CRC-32 of ``namespace/id`` modulo the shard count.
+
+    CRC-32 is stable across processes, versions and platforms (unlike ``hash()``), and fast.
+    """
+    return zlib.crc32(member(namespace, schedule_id).encode()) % shards
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    """Key names under one prefix (tests and side-by-side installs use their own prefix)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def due(self, shard: int) -> str:
+        """ZSET member -> fire time (ms, jitter applied)."""
+        return f"{self.prefix}:{{{shard}}}:due"
+
+    def lease(self, shard: int) -> str:
+        """ZSET member -> lease deadline (ms) of the occurrence in flight."""
+        return f"{self.prefix}:{{{shard}}}:lease"
+
+    def sched(self, shard: int) -> str:
+        """HASH ``ns/id`` -> compact schedule."""
+        return f"{self.prefix}:{{{shard}}}:sched"
+
+    def occ(self, shard: int) -> str:
+        """HASH member -> current occurrence ``nominal|attempt|token|fires``."""
+        return f"{self.prefix}:{{{shard}}}:occ"
+
+    def seq(self, shard: int) -> str:
+        """STRING counter that mints fencing tokens."""
+        return f"{self.prefix}:{{{shard}}}:seq"
+
+    def shard_owner(self, shard: int) -> str:
+        """STRING dispatcher id holding the shard's claim lease (expires by itself)."""
+        return f"{self.prefix}:{{{shard}}}:owner"
+
+    @property
+    def epoch(self) -> str:
+        """STRING set when the index is complete; missing means Redis lost data."""
+        return f"{self.prefix}:meta:epoch"
+
+    @property
+    def rebuild_lock(self) -> str:
+        return f"{self.prefix}:meta:rebuild-lock"
+
+    @property
+    def rebuild_progress(self) -> str:
+        return f"{self.prefix}:meta:rebuild-progress"
+
+    @property
+    def sweep_lock(self) -> str:
+        return f"{self.prefix}:meta:sweep-lock"
+
+    @property
+    def wake_channel(self) -> str:
+        """Pub/sub channel: a schedule came due sooner than dispatchers may be sleeping."""
+        return f"{self.prefix}:wake"
+
+    def shard_keys(self, shard: int) -> tuple[str, str, str, str, str]:
+        """(due, lease, occ, sched, seq): the KEYS every shard script takes, in this order."""
+        return (
+            self.due(shard),
+            self.lease(shard),
+            self.occ(shard),
+            self.sched(shard),
+            self.seq(shard),
+        )
+
+
+# RabbitMQ names (the first three are the pinned public contract).
+COMMANDS_EXCHANGE: Final = "cronbus.commands"
+COMMANDS_QUEUE: Final = "cronbus.commands"
+EVENTS_EXCHANGE: Final = "cronbus.events"
+DELIVERIES_EXCHANGE: Final = "cronbus.deliveries"
+DELIVERIES_QUEUE: Final = "cronbus.deliveries"
+DEAD_LETTER_EXCHANGE: Final = "cronbus.dead"
+#: Header carrying why a message went to a dead-letter queue.
+DEAD_REASON_HEADER: Final = "x-cronbus-error"
+#: Names a user-supplied exchange may not start with: cronbus's own and the broker's.
+RESERVED_EXCHANGE_PREFIXES: Final = ("cronbus.", "amq.")
+
+
+def dead_letter_queue(queue: str) -> str:
+    """The dead-letter queue of ``queue``: ``cronbus.commands`` -> ``cronbus.commands.dead``."""
+    return f"{queue}.dead"
+
+
+def quorum_queue_arguments(queue: str, *, delivery_limit: int | None = None) -> dict[str, object]:
+    """Arguments of a quorum queue whose rejected (or over-delivered) messages go to its DLQ."""
+    arguments: dict[str, object] = {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
+        "x-dead-letter-routing-key": dead_letter_queue(queue),
+    }
+    if delivery_limit is not None:
+        arguments["x-delivery-limit"] = delivery_limit
+    return arguments
+
+
+def command_routing_key(namespace: str, verb: str) -> str:
+    return f"{namespace}.{verb}"
+
+
+def event_routing_key(namespace: str, outcome: str) -> str:
+    return f"{namespace}.{outcome}"

@@ -1,0 +1,95 @@
+"""The Lua scripts: read once from ``lua/``, loaded into Redis, called by SHA.
+
+Each script is one file with a header naming its KEYS, ARGV and return codes. Calls go by
+EVALSHA; when Redis answers NOSCRIPT (it restarted or flushed its script cache) the script is
+loaded again and the call repeated.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redis import exceptions as redis_errors
+
+from shared.errors import LuaScriptError, StaleWriteError
+
+SCRIPT_NAMES = ("claim", "begin", "complete", "retry", "reclaim", "upsert", "remove")
+
+
+class Code(enum.IntEnum):
+    """Per-item results the scripts return."""
+
+    OK = 1
+    STALE_TOKEN = 0
+    STALE_VERSION = -1
+
+
+def raise_for_code(script: str, code: int) -> None:
+    """Map a script's result code to a typed error (OK and STALE_TOKEN are not errors)."""
+    if code == Code.STALE_VERSION:
+        raise StaleWriteError(script, code)
+    if code not in (Code.OK, Code.STALE_TOKEN):
+        raise LuaScriptError(script, code)
+
+
+def lua_dir() -> Path:
+    """``shared/lua`` inside an installed wheel, else ``lua/`` beside the package."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "lua", here.parent / "lua"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("the lua/ directory of cronbus is missing")
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    name: str
+    source: str
+    sha: str
+    #: How many KEYS the script's header declares.
+    key_count: int
+
+
+def _key_count(source: str) -> int:
+    return sum(1 for line in source.splitlines() if line.strip().startswith("KEYS["))
+
+
+@functools.cache
+def scripts() -> dict[str, Script]:
+    found = {}
+    for name in SCRIPT_NAMES:
+        source = (lua_dir() / f"{name}.lua").read_text()
+        sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+        found[name] = Script(name, source, sha, _key_count(source))
+    return found
+
+
+async def load_all(client: Any) -> None:
+    """SCRIPT LOAD every script (on every primary of a cluster)."""
+    for script in scripts().values():
+        await client.script_load(script.source)
+
+
+async def call(client: Any, name: str, keys: tuple[str, ...] | list[str], args: list[Any]) -> Any:
+    """Run a script by SHA, loading it first if Redis does not know it."""
+    script = scripts()[name]
+    try:
+        return await client.evalsha(script.sha, len(keys), *keys, *args)
+    except redis_errors.NoScriptError:
+        await client.script_load(script.source)
+        return await client.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def queue(pipe: Any, name: str, keys: tuple[str, ...] | list[str], args: list[Any]) -> None:
+    """Add a script call to a pipeline (scripts must be loaded: see ``run_pipeline``)."""
+    script = scripts()[name]
+    pipe.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def is_noscript(result: Any) -> bool:
+    return isinstance(result, redis_errors.NoScriptError)

@@ -1,0 +1,368 @@
+"""The pinned public contract as pydantic models: schedules, command bodies and replies.
+
+Structural rules live here (types, ranges, unknown fields, syntax of ids, cron and zones).
+Rules that need the clock or the operator's policy (a spec that never fires, a target that is
+not allowed) live in ``shared.validation``.
+"""
+
+from __future__ import annotations
+
+import re
+import zoneinfo
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    PlainSerializer,
+    field_validator,
+    model_validator,
+)
+
+from shared import cron, timefmt
+
+NAMESPACE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+SCHEDULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$")
+LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
+#: Headers cronbus sets itself, or that belong to the HTTP connection: a schedule may not set them.
+RESERVED_HEADERS = frozenset(
+    {"idempotency-key", "host", "content-length", "transfer-encoding", "connection"}
+)
+RESERVED_HEADER_PREFIX = "x-cronbus-"
+MAX_LABELS = 64
+MAX_LABEL_VALUE = 256
+MAX_HEADERS = 64
+MAX_HEADER_VALUE = 4096
+VERBS = ("upsert", "delete", "pause", "resume", "trigger", "get", "list")
+
+
+def _parse_instant(value: object) -> datetime:
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError("must carry a time zone, like 2027-01-01T09:00:00Z")
+        return value
+    if not isinstance(value, str):
+        raise ValueError("must be an RFC 3339 time string, like 2027-01-01T09:00:00Z")
+    return timefmt.ms_to_datetime(timefmt.parse_rfc3339_ms(value))
+
+
+def _format_instant(value: datetime) -> str:
+    return timefmt.format_ms(timefmt.datetime_to_ms(value))
+
+
+#: An RFC 3339 instant on input; always written back in UTC with a ``Z``.
+Instant = Annotated[
+    datetime, BeforeValidator(_parse_instant), PlainSerializer(_format_instant, return_type=str)
+]
+
+
+class Strict(BaseModel):
+    """Unknown fields are refused, types are not coerced, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class SpecCommon(Strict):
+    #: No fire before this instant (an interval's grid is anchored here).
+    start_at: Instant | None = None
+    #: No fire after this instant.
+    end_at: Instant | None = None
+    #: Stop after this many regular fires.
+    max_fires: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _window_is_ordered(self) -> SpecCommon:
+        if self.start_at and self.end_at and self.end_at <= self.start_at:
+            raise ValueError("end_at must be after start_at")
+        return self
+
+
+class CronSpec(SpecCommon):
+    kind: Literal["cron"]
+    #: 5 fields, or 6 with seconds first.
+    expr: str = Field(min_length=1, max_length=256)
+    #: IANA zone the expression is read in.
+    timezone: str = "UTC"
+
+    @field_validator("expr")
+    @classmethod
+    def _expr_parses(cls, value: str) -> str:
+        try:
+            cron.parse(value)
+        except cron.CronError as exc:
+            raise ValueError(exc.reason) from None
+        return value
+
+    @field_validator("timezone")
+    @classmethod
+    def _zone_exists(cls, value: str) -> str:
+        load_zone(value)
+        return value
+
+
+class IntervalSpec(SpecCommon):
+    kind: Literal["interval"]
+    #: Fixed rate: fires on a grid anchored at start_at (or the Unix epoch).
+    every_s: float = Field(ge=1, le=366 * 86_400)
+
+
+class AfterCompletionSpec(SpecCommon):
+    kind: Literal["after_completion"]
+    #: Fixed delay: fires this long after the previous occurrence finished.
+    delay_s: float = Field(ge=1, le=366 * 86_400)
+
+
+class OnceSpec(SpecCommon):
+    kind: Literal["once"]
+    at: Instant
+
+
+Spec = Annotated[
+    CronSpec | IntervalSpec | AfterCompletionSpec | OnceSpec, Field(discriminator="kind")
+]
+
+
+def _check_headers(headers: dict[str, str]) -> dict[str, str]:
+    if len(headers) > MAX_HEADERS:
+        raise ValueError(f"at most {MAX_HEADERS} headers are allowed")
+    for name, value in headers.items():
+        if not HEADER_NAME_RE.match(name):
+            raise ValueError(f"{name!r} is not a valid header name")
+        lowered = name.lower()
+        if lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_HEADER_PREFIX):
+            raise ValueError(f"{name!r} is set by cronbus and may not be overridden")
+        if "\r" in value or "\n" in value or len(value) > MAX_HEADER_VALUE:
+            raise ValueError(
+                f"value of {name!r} must be one line of at most {MAX_HEADER_VALUE} characters"
+            )
+    return headers
+
+
+class WebhookTarget(Strict):
+    kind: Literal["webhook"]
+    url: str = Field(min_length=1, max_length=2048)
+    method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"] = "POST"
+    headers: dict[str, str] = Field(default_factory=dict)
+    #: Sent as JSON (omitted when null).
+    body: JsonValue = None
+    timeout_s: float = Field(default=10, gt=0, le=300)
+    #: HTTP statuses that count as success; any 2xx when omitted.
+    success_codes: list[int] | None = Field(default=None, min_length=1, max_length=100)
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_http(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s?#]+", value):
+            raise ValueError("must be an absolute http:// or https:// URL")
+        if re.match(r"^https?://[^/]*@", value):
+            raise ValueError("must not carry credentials; put them in headers")
+        if any(ch.isspace() for ch in value):
+            raise ValueError("must not contain whitespace")
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _headers_are_allowed(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_headers(value)
+
+    @field_validator("success_codes")
+    @classmethod
+    def _codes_are_http(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(not 100 <= code <= 599 for code in value):
+            raise ValueError("every code must be an HTTP status between 100 and 599")
+        return value
+
+
+class AmqpTarget(Strict):
+    kind: Literal["amqp"]
+    exchange: str = Field(max_length=255)
+    routing_key: str = Field(default="", max_length=255)
+    headers: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    body: JsonValue = None
+    #: How long to wait for the broker's publisher confirm.
+    timeout_s: float = Field(default=10, gt=0, le=300)
+
+    @field_validator("headers")
+    @classmethod
+    def _headers_are_allowed(
+        cls, value: dict[str, str | int | float | bool]
+    ) -> dict[str, str | int | float | bool]:
+        _check_headers({name: str(item) for name, item in value.items()})
+        return value
+
+
+Target = Annotated[WebhookTarget | AmqpTarget, Field(discriminator="kind")]
+
+
+class Retry(Strict):
+    max_attempts: int = Field(default=3, ge=1, le=100)
+    initial_backoff_s: float = Field(default=1, gt=0, le=86_400)
+    multiplier: float = Field(default=2, ge=1, le=100)
+    max_backoff_s: float = Field(default=60, gt=0, le=86_400)
+    #: Each wait is drawn uniformly from [0, backoff] so retries of a herd spread out.
+    full_jitter: bool = True
+
+    @model_validator(mode="after")
+    def _cap_covers_initial(self) -> Retry:
+        if self.max_backoff_s < self.initial_backoff_s:
+            raise ValueError("max_backoff_s must be at least initial_backoff_s")
+        return self
+
+
+class MisfireCommon(Strict):
+    #: An occurrence later than this is "missed" and its policy applies; less late, it just fires.
+    grace_s: float = Field(default=1, ge=0, le=86_400)
+
+
+class SkipMisfire(MisfireCommon):
+    policy: Literal["skip"]
+
+
+class FireOnceMisfire(MisfireCommon):
+    policy: Literal["fire_once"]
+
+
+class FireAllMisfire(MisfireCommon):
+    policy: Literal["fire_all"]
+    #: Only missed times at most this old are replayed.
+    window_s: float = Field(default=3600, gt=0, le=30 * 86_400)
+    #: At most this many missed times are replayed (the most recent ones).
+    limit: int = Field(default=100, ge=1, le=100_000)
+
+
+Misfire = Annotated[
+    SkipMisfire | FireOnceMisfire | FireAllMisfire, Field(discriminator="policy")
+]
+
+#: Fields a reply shows that cronbus assigns: refused in an upsert so nothing is silently ignored.
+READ_ONLY_FIELDS = {
+    "version": "is assigned by cronbus; send expected_version for compare-and-set",
+    "namespace": "comes from the routing key <namespace>.<verb>",
+    "state": "is read-only; use the pause, resume or delete commands",
+    "next_fires": "is read-only",
+    "last_fire_at": "is read-only",
+    "fires": "is read-only",
+    "created_at": "is read-only",
+    "updated_at": "is read-only",
+}
+
+
+class Schedule(Strict):
+    id: str
+    spec: Spec
+    target: Target
+    retry: Retry = Field(default_factory=Retry)
+    misfire: Misfire = Field(default_factory=lambda: FireOnceMisfire(policy="fire_once"))
+    #: A deterministic delay in [0, jitter_s) per occurrence, spreading herds.
+    jitter_s: float = Field(default=0, ge=0, le=86_400)
+    #: Rebuild order after Redis loses data: higher first.
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    #: Create (or keep) the schedule paused.
+    paused: bool = False
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_read_only_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, reason in READ_ONLY_FIELDS.items():
+                if name in data:
+                    raise ValueError(f"{name} {reason}")
+        return data
+
+    @field_validator("id")
+    @classmethod
+    def _id_is_safe(cls, value: str) -> str:
+        return check_schedule_id(value)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_are_bounded(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_labels(value)
+
+
+def check_schedule_id(value: str) -> str:
+    if not SCHEDULE_ID_RE.match(value):
+        raise ValueError(
+            "must be 1-200 characters of letters, digits and . _ : @ -, "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def check_namespace(value: str) -> str:
+    if not NAMESPACE_RE.match(value):
+        raise ValueError(
+            "must be 1-63 lowercase letters, digits, _ or -, starting with a letter or digit"
+        )
+    return value
+
+
+def check_labels(value: dict[str, str]) -> dict[str, str]:
+    if len(value) > MAX_LABELS:
+        raise ValueError(f"at most {MAX_LABELS} labels are allowed")
+    for key, item in value.items():
+        if not LABEL_KEY_RE.match(key):
+            raise ValueError(f"label key {key!r} must be 1-63 letters, digits or . _ / -")
+        if len(item) > MAX_LABEL_VALUE:
+            raise ValueError(f"label {key!r} is longer than {MAX_LABEL_VALUE} characters")
+    return value
+
+
+def load_zone(name: str) -> zoneinfo.ZoneInfo:
+    """The IANA zone called ``name``; ValueError naming it when there is none."""
+    try:
+        return zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {name!r}") from None
+
+
+# --- command bodies -------------------------------------------------------------------------
+
+
+class UpsertCommand(Strict):
+    schedule: Schedule
+    #: Compare-and-set: apply only when the stored version is this one (0: only create).
+    expected_version: int | None = Field(default=None, ge=0)
+
+
+class IdCommand(Strict):
+    """delete | pause | resume | trigger | get."""
+
+    id: str
+
+    @field_validator("id")
+    @classmethod
+    def _id_is_safe(cls, value: str) -> str:
+        return check_schedule_id(value)
+
+
+class ListCommand(Strict):
+    limit: int = Field(default=100, ge=1, le=1000)
+    #: The ``next_cursor`` of the previous page.
+    cursor: str | None = Field(default=None, max_length=512)
+    #: Only schedules carrying every one of these labels.
+    labels: dict[str, str] = Field(default_factory=dict)
+    #: Only schedules in this state.
+    state: Literal["active", "paused", "completed"] | None = None
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_are_bounded(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_labels(value)
+
+
+COMMAND_MODELS: dict[str, type[Strict]] = {
+    "upsert": UpsertCommand,
+    "delete": IdCommand,
+    "pause": IdCommand,
+    "resume": IdCommand,
+    "trigger": IdCommand,
+    "get": IdCommand,
+    "list": ListCommand,
+}

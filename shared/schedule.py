@@ -1,0 +1,216 @@
+"""When a schedule fires: nominal times, misfire decisions, jitter and identities (pure).
+
+Every function takes the clock as an argument (``now_ms``) and does no I/O, so the executor,
+the intake, the sweeper and ``cronbus preview`` all compute the same answers.
+
+Vocabulary: a *nominal* time is when the rule says an occurrence is due; the *fire* time is
+the nominal time plus the occurrence's deterministic jitter, and is what the index sorts by.
+An occurrence is *missed* when its nominal time is more than the misfire grace before now.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import uuid
+import zoneinfo
+from datetime import UTC, tzinfo
+
+from shared import cron
+from shared.plan import AfterCompletionRule, CronRule, IntervalRule, OnceRule, Plan
+
+#: The namespace of the UUIDv5 idempotency keys (a fixed, arbitrary UUID: never change it).
+IDEMPOTENCY_NAMESPACE = uuid.UUID("5c0f3f7e-2b8e-4c3a-9a51-0c7d3e0b6a11")
+
+
+@functools.lru_cache(maxsize=1024)
+def zone(name: str) -> tzinfo:
+    return UTC if name == "UTC" else zoneinfo.ZoneInfo(name)
+
+
+def _within_end(plan: Plan, nominal: int | None) -> int | None:
+    if nominal is None or (plan.end_ms is not None and nominal > plan.end_ms):
+        return None
+    return nominal
+
+
+def _interval_anchor(plan: Plan) -> int:
+    return plan.start_ms if plan.start_ms is not None else 0
+
+
+def next_nominal(plan: Plan, after_ms: int) -> int | None:
+    """The first nominal time strictly after ``after_ms`` inside the plan's window, or None.
+
+    For ``after_completion`` there is no such time without a completion: use ``following``.
+    """
+    rule = plan.rule
+    if plan.start_ms is not None:
+        after_ms = max(after_ms, plan.start_ms - 1)
+    if isinstance(rule, CronRule):
+        found = cron.next_fire_ms(cron.parse(rule.expr), zone(rule.timezone), after_ms)
+    elif isinstance(rule, IntervalRule):
+        anchor = _interval_anchor(plan)
+        steps = 0 if after_ms < anchor else (after_ms - anchor) // rule.every_ms + 1
+        found = anchor + steps * rule.every_ms
+    elif isinstance(rule, OnceRule):
+        found = rule.at_ms if rule.at_ms > after_ms else None
+    else:
+        found = None
+    return _within_end(plan, found)
+
+
+def previous_nominal(plan: Plan, before_ms: int, floor_ms: int) -> int | None:
+    """The last nominal time in ``[floor_ms, before_ms)``, or None."""
+    rule = plan.rule
+    if plan.end_ms is not None:
+        before_ms = min(before_ms, plan.end_ms + 1)
+    if plan.start_ms is not None:
+        floor_ms = max(floor_ms, plan.start_ms)
+    if isinstance(rule, IntervalRule):
+        anchor = max(_interval_anchor(plan), floor_ms)
+        base = _interval_anchor(plan)
+        if before_ms <= anchor:
+            return None
+        found = base + (before_ms - 1 - base) // rule.every_ms * rule.every_ms
+        return found if found >= floor_ms else None
+    if isinstance(rule, OnceRule):
+        return rule.at_ms if floor_ms <= rule.at_ms < before_ms else None
+    if isinstance(rule, AfterCompletionRule):
+        return None
+    return _previous_by_search(plan, before_ms, floor_ms)
+
+
+def _previous_by_search(plan: Plan, before_ms: int, floor_ms: int) -> int | None:
+    """Previous fire of a rule that can only step forward: widen a window back from
+    ``before_ms`` until it holds a fire, then step forward to the last one before it."""
+    span = 1000
+    while True:
+        start = max(before_ms - span, floor_ms)
+        found = next_nominal(plan, start - 1)
+        if found is not None and found < before_ms:
+            break
+        if start == floor_ms:
+            return None
+        span *= 2
+    while True:
+        following_fire = next_nominal(plan, found)
+        if following_fire is None or following_fire >= before_ms:
+            return found
+        found = following_fire
+
+
+def first_nominal(plan: Plan, now_ms: int) -> int | None:
+    """Where a new (or reset) rotation starts: the first nominal time at or after now.
+
+    A ``once`` in the past is returned as is: the misfire policy decides whether it still fires.
+    """
+    rule = plan.rule
+    if isinstance(rule, OnceRule):
+        return _within_start(plan, rule.at_ms)
+    if isinstance(rule, AfterCompletionRule):
+        first = plan.start_ms if plan.start_ms is not None else now_ms + rule.delay_ms
+        return _within_end(plan, first)
+    return next_nominal(plan, now_ms - 1)
+
+
+def _within_start(plan: Plan, nominal: int) -> int | None:
+    if plan.start_ms is not None and nominal < plan.start_ms:
+        return None
+    return _within_end(plan, nominal)
+
+
+def following(plan: Plan, nominal_ms: int, finished_ms: int) -> int | None:
+    """The rule's next nominal time after the occurrence at ``nominal_ms`` (misfire not applied)."""
+    if isinstance(plan.rule, AfterCompletionRule):
+        return _within_end(plan, finished_ms + plan.rule.delay_ms)
+    return next_nominal(plan, nominal_ms)
+
+
+def resolve_due(plan: Plan, candidate_ms: int | None, now_ms: int) -> int | None:
+    """The nominal time that should fire next, given the rule's next one is ``candidate_ms``.
+
+    On time (or late by less than the grace) the candidate fires. Missed: ``skip`` jumps to the
+    first time that is not missed, ``fire_once`` fires one catch-up (the latest missed time),
+    ``fire_all`` replays missed times oldest first, at most ``limit`` of them and none older
+    than ``window``. A fixed-delay rule is never missed: it is simply late. None: no more fires.
+    """
+    if candidate_ms is None or isinstance(plan.rule, AfterCompletionRule):
+        return candidate_ms
+    misfire = plan.misfire
+    missed_before = now_ms - misfire.grace_ms
+    if candidate_ms >= missed_before:
+        return candidate_ms
+    if misfire.policy == "skip":
+        return next_nominal(plan, missed_before - 1)
+    if misfire.policy == "fire_once":
+        return previous_nominal(plan, missed_before, candidate_ms)
+    return _replay_start(plan, candidate_ms, now_ms - misfire.window_ms, missed_before)
+
+
+def _replay_start(plan: Plan, candidate_ms: int, window_floor: int, missed_before: int) -> int | None:
+    """fire_all: the oldest missed time still to replay (within the window, the latest limit)."""
+    first = candidate_ms if candidate_ms >= window_floor else next_nominal(plan, window_floor - 1)
+    if first is None or first >= missed_before:
+        return first
+    limit = plan.misfire.limit
+    if _count_missed(plan, first, missed_before, limit + 1) <= limit:
+        return first
+    # More than `limit` missed: walk back from the end to the limit-th latest one.
+    oldest = missed_before
+    for _ in range(limit):
+        earlier = previous_nominal(plan, oldest, first)
+        if earlier is None:
+            break
+        oldest = earlier
+    return oldest
+
+
+def _count_missed(plan: Plan, first: int, missed_before: int, stop_at: int) -> int:
+    rule = plan.rule
+    if isinstance(rule, IntervalRule):
+        return min(stop_at, (missed_before - 1 - first) // rule.every_ms + 1)
+    count = 0
+    current: int | None = first
+    while current is not None and current < missed_before and count < stop_at:
+        count += 1
+        current = next_nominal(plan, current)
+    return count
+
+
+def is_exhausted(plan: Plan, fires: int) -> bool:
+    """True when the schedule has fired ``max_fires`` regular occurrences."""
+    return plan.max_fires is not None and fires >= plan.max_fires
+
+
+def jitter_offset_ms(plan: Plan, member: str, nominal_ms: int) -> int:
+    """A deterministic offset in ``[0, jitter)`` from the occurrence identity.
+
+    Hashing the identity (not drawing at random) means recomputing an occurrence never moves it.
+    """
+    if plan.jitter_ms <= 0:
+        return 0
+    digest = hashlib.blake2b(f"{member}@{nominal_ms}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % plan.jitter_ms
+
+
+def fire_at_ms(plan: Plan, member: str, nominal_ms: int) -> int:
+    return nominal_ms + jitter_offset_ms(plan, member, nominal_ms)
+
+
+def idempotency_key(namespace: str, schedule_id: str, nominal_ms: int) -> str:
+    """Derived from the occurrence identity and nothing else, so every re-delivery repeats it."""
+    return str(uuid.uuid5(IDEMPOTENCY_NAMESPACE, f"{namespace}/{schedule_id}@{nominal_ms}"))
+
+
+def upcoming(plan: Plan, now_ms: int, count: int, fires: int = 0) -> list[int]:
+    """The next ``count`` nominal times from now (for replies and previews)."""
+    remaining = None if plan.max_fires is None else max(plan.max_fires - fires, 0)
+    limit = count if remaining is None else min(count, remaining)
+    result: list[int] = []
+    current = first_nominal(plan, now_ms)
+    while current is not None and len(result) < limit:
+        result.append(current)
+        if isinstance(plan.rule, AfterCompletionRule):
+            break
+        current = next_nominal(plan, current)
+    return result

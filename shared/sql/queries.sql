@@ -1,0 +1,98 @@
+-- get_schedule --
+-- One schedule (any state).
+SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
+       last_fire_at, next_fire_at, created_at, updated_at
+FROM schedules
+WHERE namespace = $1 AND id = $2;
+
+-- lock_schedule --
+-- One schedule, locked until the command's transaction ends.
+SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
+       last_fire_at, next_fire_at, created_at, updated_at
+FROM schedules
+WHERE namespace = $1 AND id = $2
+FOR UPDATE;
+
+-- put_schedule --
+-- Create or replace a schedule at the version the caller computed under the row lock.
+INSERT INTO schedules AS s (namespace, id, version, state, definition, compact, priority,
+                            labels, fires, last_fire_at, next_fire_at)
+VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8::jsonb, $9, to_timestamp($10::bigint / 1000.0),
+        to_timestamp($11::bigint / 1000.0))
+ON CONFLICT (namespace, id) DO UPDATE
+SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.definition,
+    compact = EXCLUDED.compact, priority = EXCLUDED.priority, labels = EXCLUDED.labels,
+    fires = EXCLUDED.fires, last_fire_at = EXCLUDED.last_fire_at,
+    next_fire_at = EXCLUDED.next_fire_at, updated_at = now(),
+    created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END
+RETURNING namespace, id, version, state, definition, compact, priority, labels, fires,
+          last_fire_at, next_fire_at, created_at, updated_at;
+
+-- list_schedules --
+-- A page of a namespace's schedules in id order, after the cursor, filtered by labels and state.
+SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
+       last_fire_at, next_fire_at, created_at, updated_at
+FROM schedules
+WHERE namespace = $1
+  AND state <> 'deleted'
+  AND ($2::text IS NULL OR state = $2)
+  AND labels @> $3::jsonb
+  AND id > $4
+ORDER BY id
+LIMIT $5;
+
+-- record_command --
+-- The audit of one command, whatever its outcome.
+INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
+                      correlation_id, body, outcome, error, version)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10::jsonb, $11);
+
+-- write_executions --
+-- A batch of execution rows; a later attempt of the same occurrence replaces an earlier one.
+INSERT INTO executions AS e (namespace, id, nominal_at, is_trigger, attempts, status,
+                             http_status, error, idempotency_key, started_at, finished_at,
+                             lateness_ms)
+SELECT r.namespace, r.id, to_timestamp(r.nominal_ms / 1000.0), r.is_trigger, r.attempts,
+       r.status, r.http_status, r.error, r.idempotency_key, to_timestamp(r.started_ms / 1000.0),
+       to_timestamp(r.finished_ms / 1000.0), r.started_ms - r.nominal_ms
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::boolean[], $5::int[], $6::text[],
+            $7::int[], $8::text[], $9::text[], $10::bigint[], $11::bigint[])
+     AS r(namespace, id, nominal_ms, is_trigger, attempts, status, http_status, error,
+          idempotency_key, started_ms, finished_ms)
+ON CONFLICT (namespace, id, nominal_at) DO UPDATE
+SET attempts = EXCLUDED.attempts, status = EXCLUDED.status,
+    http_status = EXCLUDED.http_status, error = EXCLUDED.error,
+    started_at = EXCLUDED.started_at, finished_at = EXCLUDED.finished_at,
+    lateness_ms = EXCLUDED.lateness_ms
+WHERE e.attempts <= EXCLUDED.attempts;
+
+-- write_checkpoints --
+-- A batch of rotation checkpoints: the latest completed nominal fire wins.
+UPDATE schedules AS s
+SET last_fire_at = to_timestamp(c.last_ms / 1000.0),
+    next_fire_at = CASE WHEN c.next_ms IS NULL THEN NULL
+                        ELSE to_timestamp(c.next_ms / 1000.0) END,
+    fires = GREATEST(s.fires, c.fires),
+    state = CASE WHEN c.finished AND s.state = 'active' THEN 'completed' ELSE s.state END
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::boolean[])
+     AS c(namespace, id, last_ms, next_ms, fires, finished)
+WHERE s.namespace = c.namespace AND s.id = c.id
+  AND (s.last_fire_at IS NULL OR s.last_fire_at <= to_timestamp(c.last_ms / 1000.0));
+
+-- recent_executions --
+-- The latest executions of one schedule.
+SELECT nominal_at, is_trigger, attempts, status, http_status, error, idempotency_key,
+       started_at, finished_at, lateness_ms
+FROM executions
+WHERE namespace = $1 AND id = $2
+ORDER BY nominal_at DESC
+LIMIT $3;
+
+-- live_schedules --
+-- Every schedule the index must hold, highest priority first (the rebuild's stream).
+SELECT namespace, id, version, state, compact, fires,
+       (extract(epoch FROM last_fire_at) * 1000)::bigint AS last_fire_ms,
+       (extract(epoch FROM next_fire_at) * 1000)::bigint AS next_fire_ms
+FROM schedules
+WHERE state IN ('active', 'paused')
+ORDER BY priority DESC, namespace, id;

@@ -1,0 +1,49 @@
+"""RFC 3339 instants <-> Unix epoch milliseconds (pure)."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+
+_RFC3339 = re.compile(
+    r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})$"
+)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def parse_rfc3339_ms(text: str) -> int:
+    """``2027-01-01T09:00:00Z`` (any offset, optional fraction) -> epoch ms.
+
+    Raises ValueError with a reason a user can act on.
+    """
+    if not _RFC3339.match(text):
+        raise ValueError(
+            f"{text!r} is not an RFC 3339 time with a zone, like 2027-01-01T09:00:00Z"
+        )
+    normalised = text[:-1] + "+00:00" if text[-1] in "Zz" else text
+    fraction = re.search(r"\.(\d+)", normalised)
+    if fraction and len(fraction.group(1)) > 6:
+        normalised = normalised.replace(fraction.group(0), fraction.group(0)[:7])
+    try:
+        value = datetime.fromisoformat(normalised.replace("t", "T"))
+    except ValueError as exc:
+        raise ValueError(f"{text!r} is not a valid date and time ({exc})") from None
+    return datetime_to_ms(value)
+
+
+def datetime_to_ms(value: datetime) -> int:
+    delta = value.astimezone(UTC) - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1000 + delta.microseconds // 1000
+
+
+def ms_to_datetime(ms: int) -> datetime:
+    return _EPOCH + timedelta(milliseconds=ms)
+
+
+def format_ms(ms: int) -> str:
+    """Epoch ms -> ``2027-01-04T08:00:00Z`` (milliseconds shown only when not zero)."""
+    value = ms_to_datetime(ms)
+    text = value.strftime("%Y-%m-%dT%H:%M:%S")
+    if ms % 1000:
+        text += f".{ms % 1000:03d}"
+    return text + "Z"

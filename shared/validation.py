@@ -1,0 +1,250 @@
+"""Turning what a user sent into a command, or into errors naming each field and why (pure).
+
+Structural checks come from the pydantic models; the checks here need the clock or the
+operator's policy: a spec that never fires, a body that is too big, a target that is not allowed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import pydantic
+
+from shared import codec, cron, keys, models, schedule, timefmt
+from shared.errors import ValidationFailed
+from shared.plan import AfterCompletionRule, CronRule, OnceRule, Plan, plan_of
+
+FieldError = dict[str, str]
+
+_UNION_TAGS = {
+    "spec": {"cron", "interval", "after_completion", "once"},
+    "target": {"webhook", "amqp"},
+    "misfire": {"skip", "fire_once", "fire_all"},
+}
+_DISCRIMINATORS = {"spec": "kind", "target": "kind", "misfire": "policy"}
+
+
+@dataclass(frozen=True)
+class TargetPolicy:
+    """What an operator allows schedules to call (``CRONBUS_WEBHOOK_*``, ``CRONBUS_AMQP_*``)."""
+
+    #: Host globs a webhook may call ("*" allows any).
+    allowed_hosts: tuple[str, ...] = ("*",)
+    #: Literal addresses a webhook may never call (cloud metadata by default).
+    denied_networks: tuple[str, ...] = ("169.254.0.0/16", "fe80::/10")
+    #: Exchange globs an AMQP target may publish to.
+    allowed_exchanges: tuple[str, ...] = ("*",)
+    #: Largest JSON body stored with a schedule.
+    max_body_bytes: int = 65_536
+    _networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        networks = tuple(ipaddress.ip_network(net, strict=False) for net in self.denied_networks)
+        object.__setattr__(self, "_networks", networks)
+
+    def host_denied(self, host: str) -> bool:
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(address in network for network in self._networks)
+
+
+def _path_of(loc: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    for index, item in enumerate(loc):
+        previous = loc[index - 1] if index else None
+        if isinstance(previous, str) and item in _UNION_TAGS.get(previous, ()):
+            continue  # the discriminated union's tag is not a field the user wrote
+        parts.append(f"[{item}]" if isinstance(item, int) else str(item))
+    return ".".join(parts).replace(".[", "[")
+
+
+_REASONS = {
+    "extra_forbidden": "unknown field",
+    "missing": "is required",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "dict_type": "must be an object",
+    "string_type": "must be a string",
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be true or false",
+    "list_type": "must be a list",
+}
+
+
+def _reason_of(error: Any) -> str:
+    kind = error["type"]
+    if kind in _REASONS:
+        return _REASONS[kind]
+    if kind == "union_tag_invalid":
+        ctx = error.get("ctx", {})
+        return f"must be one of {ctx.get('expected_tags')}, not {ctx.get('tag')!r}"
+    message = str(error["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        message = message.removeprefix(prefix)
+    return message[:1].lower() + message[1:]
+
+
+def field_errors(exc: pydantic.ValidationError, strip: str = "") -> list[FieldError]:
+    """One ``{"field", "reason"}`` per problem; ``strip`` drops a leading path segment."""
+    details: list[FieldError] = []
+    for error in exc.errors():
+        loc = tuple(error["loc"])
+        if strip and loc[:1] == (strip,):
+            loc = loc[1:]
+        path = _path_of(loc)
+        if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            path = f"{path}.{_DISCRIMINATORS.get(str(loc[-1]) if loc else '', 'kind')}"
+            if error["type"] == "union_tag_not_found":
+                details.append({"field": path.lstrip("."), "reason": "is required"})
+                continue
+        details.append({"field": path or "(body)", "reason": _reason_of(error)})
+    return details
+
+
+def parse_body(raw: bytes) -> Any:
+    """JSON bytes -> object; ValidationFailed(invalid_command) when it is not JSON."""
+    try:
+        return codec.loads(raw) if raw.strip() else {}
+    except codec.DecodeError as exc:
+        raise ValidationFailed(
+            "invalid_command", f"the body is not valid JSON: {exc}", [
+                {"field": "(body)", "reason": "is not valid JSON"}
+            ]
+        ) from None
+
+
+def parse_command(verb: str, body: Any) -> models.Strict:
+    """A command body -> its model, or ValidationFailed naming every offending field."""
+    model = models.COMMAND_MODELS.get(verb)
+    if model is None:
+        raise ValidationFailed(
+            "unknown_verb",
+            f"unknown verb {verb!r}; expected one of {', '.join(models.VERBS)}",
+            [{"field": "routing_key", "reason": f"verb {verb!r} is not one of {models.VERBS}"}],
+        )
+    if not isinstance(body, dict):
+        raise ValidationFailed(
+            "invalid_command", "the body must be a JSON object",
+            [{"field": "(body)", "reason": "must be a JSON object"}],
+        )
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise _command_failure(verb, exc) from None
+
+
+def _command_failure(verb: str, exc: pydantic.ValidationError) -> ValidationFailed:
+    details = field_errors(exc)
+    if verb == "upsert" and all(d["field"].startswith("schedule.") for d in details):
+        # Schedule errors are named relative to the schedule, as in the pinned reply example.
+        details = [{"field": d["field"].removeprefix("schedule."), "reason": d["reason"]}
+                   for d in details]
+        return ValidationFailed("invalid_schedule", _summary(details), details)
+    return ValidationFailed("invalid_command", _summary(details), details)
+
+
+def _summary(details: list[FieldError]) -> str:
+    first = details[0]
+    more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+    return f"{first['field']}: {first['reason']}{more}"
+
+
+def check_namespace(namespace: str) -> None:
+    try:
+        models.check_namespace(namespace)
+    except ValueError as exc:
+        raise ValidationFailed(
+            "invalid_command", f"namespace {namespace!r} {exc}",
+            [{"field": "routing_key", "reason": f"namespace {exc}"}],
+        ) from None
+
+
+def check_schedule(
+    item: models.Schedule, version: int, now_ms: int, policy: TargetPolicy
+) -> Plan:
+    """The schedule's plan, or ValidationFailed(invalid_schedule) when it would never fire or
+    its target is not allowed."""
+    plan = plan_of(item, version)
+    details = _target_problems(item.target, policy) + _firing_problems(plan, now_ms)
+    if details:
+        raise ValidationFailed("invalid_schedule", _summary(details), details)
+    return plan
+
+
+def _target_problems(
+    target: models.WebhookTarget | models.AmqpTarget, policy: TargetPolicy
+) -> list[FieldError]:
+    problems: list[FieldError] = []
+    if target.body is not None and len(codec.dumps(target.body)) > policy.max_body_bytes:
+        problems.append({
+            "field": "target.body",
+            "reason": f"is larger than the {policy.max_body_bytes} bytes allowed",
+        })
+    if isinstance(target, models.WebhookTarget):
+        host = (urlsplit(target.url).hostname or "").lower()
+        if policy.host_denied(host):
+            problems.append({"field": "target.url", "reason": f"host {host} is not allowed"})
+        elif not any(fnmatch.fnmatchcase(host, glob) for glob in policy.allowed_hosts):
+            problems.append({
+                "field": "target.url",
+                "reason": f"host {host} is not in the allowed hosts of this cronbus",
+            })
+        return problems
+    problems.extend(_exchange_problems(target))
+    if not any(fnmatch.fnmatchcase(target.exchange, glob) for glob in policy.allowed_exchanges):
+        problems.append({
+            "field": "target.exchange",
+            "reason": f"exchange {target.exchange!r} is not in the allowed exchanges",
+        })
+    return problems
+
+
+def _exchange_problems(target: models.AmqpTarget) -> list[FieldError]:
+    if target.exchange.startswith(keys.RESERVED_EXCHANGE_PREFIXES):
+        return [{"field": "target.exchange", "reason": f"{target.exchange!r} is reserved"}]
+    if not target.exchange and target.routing_key.startswith(keys.RESERVED_EXCHANGE_PREFIXES):
+        return [{
+            "field": "target.routing_key",
+            "reason": f"the default exchange may not route to {target.routing_key!r}",
+        }]
+    return []
+
+
+def _firing_problems(plan: Plan, now_ms: int) -> list[FieldError]:
+    rule = plan.rule
+    if isinstance(rule, CronRule):
+        tz = schedule.zone(rule.timezone)
+        if cron.next_fire_ms(cron.parse(rule.expr), tz, now_ms) is None:
+            return [{
+                "field": "spec.expr",
+                "reason": f"never fires: no matching time within {cron.SEARCH_HORIZON_YEARS} years",
+            }]
+    first = schedule.first_nominal(plan, now_ms)
+    if first is None:
+        return [_no_fire_problem(plan, now_ms)]
+    if schedule.resolve_due(plan, first, now_ms) is None:
+        return [{
+            "field": "spec.at" if isinstance(rule, OnceRule) else "spec.end_at",
+            "reason": f"{timefmt.format_ms(first)} is already past and misfire policy "
+            f"{plan.misfire.policy} would never fire it",
+        }]
+    return []
+
+
+def _no_fire_problem(plan: Plan, now_ms: int) -> FieldError:
+    if isinstance(plan.rule, OnceRule):
+        return {"field": "spec.at", "reason": "is outside start_at..end_at"}
+    if plan.end_ms is not None and plan.end_ms < now_ms:
+        return {"field": "spec.end_at", "reason": "is in the past: the schedule would never fire"}
+    if isinstance(plan.rule, AfterCompletionRule):
+        return {"field": "spec.end_at", "reason": "ends before the first fire"}
+    return {"field": "spec.end_at", "reason": "ends before the first fire time"}

@@ -1,0 +1,89 @@
+"""Fixtures: real Redis, RabbitMQ and PostgreSQL, each test in its own corner of them."""
+
+from __future__ import annotations
+
+import os
+
+# A developer's own CRONBUS_* settings must not leak into the tests (CRONBUS_TEST_* are ours).
+for _name in list(os.environ):
+    if _name.startswith("CRONBUS_") and not _name.startswith("CRONBUS_TEST_"):
+        del os.environ[_name]
+
+from collections.abc import AsyncIterator, Iterator  # noqa: E402
+
+import asyncpg  # noqa: E402
+import pytest  # noqa: E402
+import redis.asyncio as aioredis  # noqa: E402
+
+from shared import db, keys  # noqa: E402
+from shared.index import Index  # noqa: E402
+from tests.support import services  # noqa: E402
+
+SHARDS = 4
+
+
+@pytest.fixture(scope="session")
+def endpoints() -> Iterator[services.Endpoints]:
+    with services.endpoints() as found:
+        yield found
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    return services.unique("cbt")
+
+
+@pytest.fixture
+async def redis_client(endpoints: services.Endpoints, redis_prefix: str
+                       ) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(endpoints.redis_url)
+    yield client
+    async for key in client.scan_iter(match=f"{redis_prefix}:*", count=1000):
+        await client.delete(key)
+    await client.aclose()
+
+
+@pytest.fixture
+async def index(redis_client: aioredis.Redis, redis_prefix: str) -> Index:
+    found = Index(redis_client, keys.RedisKeys(redis_prefix), SHARDS)
+    await found.load_scripts()
+    return found
+
+
+@pytest.fixture(scope="session")
+async def template_database(endpoints: services.Endpoints) -> AsyncIterator[str]:
+    """A migrated database that each test's database is copied from (fast: no migrations)."""
+    name = services.unique("cronbus_tpl_")
+    url = services.with_database(endpoints.database_url, name)
+    await db.migrate(url)
+    yield name
+    await _drop_database(endpoints.database_url, name)
+
+
+@pytest.fixture
+async def database_url(endpoints: services.Endpoints, template_database: str
+                       ) -> AsyncIterator[str]:
+    name = services.unique("cronbus_t_")
+    conn = await asyncpg.connect(endpoints.database_url)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    finally:
+        await conn.close()
+    yield services.with_database(endpoints.database_url, name)
+    await _drop_database(endpoints.database_url, name)
+
+
+async def _drop_database(maintenance_url: str, name: str) -> None:
+    conn = await asyncpg.connect(maintenance_url)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def amqp_url(endpoints: services.Endpoints) -> Iterator[str]:
+    vhost = services.unique("cronbus-t-")
+    services.add_vhost(endpoints.rabbitmqctl, vhost)
+    yield services.with_vhost(endpoints.amqp_url, vhost)
+    services.delete_vhost(endpoints.rabbitmqctl, vhost)

@@ -1,0 +1,129 @@
+"""Where the tests find Redis, RabbitMQ and PostgreSQL, and how each test gets its own corner.
+
+Defaults are the local services; ``CRONBUS_TEST_REDIS_URL``, ``CRONBUS_TEST_AMQP_URL`` and
+``CRONBUS_TEST_DATABASE_URL`` point elsewhere. When a default is not answering and Docker is
+available, testcontainers starts the service instead. Isolation: a key prefix per test in
+Redis, a vhost per test in RabbitMQ, a database per test in PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import quote, urlsplit, urlunsplit
+
+HOW_TO_START = {
+    "redis": "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save '' "
+    "--appendonly no",
+    "amqp": "rabbitmq-server -detached",
+    "postgres": "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+}
+
+
+def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Endpoints:
+    redis_url: str
+    amqp_url: str
+    database_url: str
+    #: Runs rabbitmqctl (locally, or inside the RabbitMQ container).
+    rabbitmqctl: list[str]
+
+
+def _answering(url: str, default_port: int) -> bool:
+    parts = urlsplit(url)
+    return port_open(parts.hostname or "127.0.0.1", parts.port or default_port)
+
+
+@contextlib.contextmanager
+def endpoints() -> Iterator[Endpoints]:
+    """The services for this test session (local, configured, or started in containers)."""
+    redis_url = os.environ.get("CRONBUS_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+    amqp_url = os.environ.get("CRONBUS_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+    database_url = os.environ.get(
+        "CRONBUS_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+    )
+    with contextlib.ExitStack() as stack:
+        checks = (("redis", redis_url, 6379), ("amqp", amqp_url, 5672),
+                  ("postgres", database_url, 5432))
+        down = [name for name, url, port in checks if not _answering(url, port)]
+        if down and shutil.which("docker") and _docker_works():
+            started = _start_containers(stack, down)
+            redis_url = started.get("redis", redis_url)
+            amqp_url = started.get("amqp", amqp_url)
+            database_url = started.get("postgres", database_url)
+            down = []
+        if down:
+            hints = "; ".join(f"{name}: {HOW_TO_START[name]}" for name in down)
+            raise RuntimeError(f"test services not answering: {', '.join(down)}. Start: {hints}")
+        yield Endpoints(redis_url, amqp_url, database_url, ["rabbitmqctl", "-q"])
+
+
+def _docker_works() -> bool:
+    return subprocess.run(["docker", "info"], capture_output=True, check=False).returncode == 0
+
+
+def _start_containers(stack: contextlib.ExitStack, names: list[str]) -> dict[str, str]:
+    """Start the missing services with testcontainers (only where Docker runs)."""
+    started = {}
+    if "redis" in names:
+        from testcontainers.redis import RedisContainer  # noqa: PLC0415
+
+        redis = stack.enter_context(RedisContainer("redis:7"))
+        started["redis"] = f"redis://{redis.get_container_host_ip()}:{redis.get_exposed_port(6379)}"
+    if "postgres" in names:
+        from testcontainers.postgres import PostgresContainer  # noqa: PLC0415
+
+        pg = stack.enter_context(PostgresContainer("postgres:16", driver=None))
+        started["postgres"] = pg.get_connection_url()
+    if "amqp" in names:
+        from testcontainers.rabbitmq import RabbitMqContainer  # noqa: PLC0415
+
+        rabbit = stack.enter_context(RabbitMqContainer("rabbitmq:3.13"))
+        host, port = rabbit.get_container_host_ip(), rabbit.get_exposed_port(5672)
+        started["amqp"] = f"amqp://guest:guest@{host}:{port}/"
+    return started
+
+
+def with_vhost(amqp_url: str, vhost: str) -> str:
+    parts = urlsplit(amqp_url)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + quote(vhost, safe=""), "", ""))
+
+
+def with_database(database_url: str, name: str) -> str:
+    parts = urlsplit(database_url)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:10]}"
+
+
+def add_vhost(ctl: list[str], vhost: str, user: str = "guest") -> None:
+    subprocess.run([*ctl, "add_vhost", vhost], check=True, capture_output=True)
+    subprocess.run([*ctl, "set_permissions", "-p", vhost, user, ".*", ".*", ".*"], check=True,
+                   capture_output=True)
+
+
+def delete_vhost(ctl: list[str], vhost: str) -> None:
+    subprocess.run([*ctl, "delete_vhost", vhost], check=False, capture_output=True)
