@@ -33,8 +33,9 @@ def _migrate(args: argparse.Namespace) -> int:
     from shared.config import SweeperSettings  # noqa: PLC0415
 
     settings = SweeperSettings()
-    applied = asyncio.run(db.migrate(settings.database_url,
-                                     partitions_ahead_days=settings.partitions_ahead_days))
+    applied = asyncio.run(
+        db.migrate(settings.database_url, partitions_ahead_days=settings.partitions_ahead_days)
+    )
     print("applied: " + ", ".join(applied) if applied else "up to date")
     return 0
 

@@ -15,6 +15,7 @@ from shared.plan import (
     AmqpPlan,
     CronRule,
     IntervalRule,
+    MisfirePolicy,
     MisfireRule,
     OnceRule,
     Plan,
@@ -27,8 +28,8 @@ from shared.plan import (
 _DEFAULT_RETRY = RetryRule()
 _DEFAULT_MISFIRE = MisfireRule()
 _DEFAULT_TIMEOUT_MS = 10_000
-_POLICY_CODES = {"skip": "s", "fire_once": "o", "fire_all": "a"}
-_POLICY_NAMES = {code: name for name, code in _POLICY_CODES.items()}
+_POLICY_CODES: dict[MisfirePolicy, str] = {"skip": "s", "fire_once": "o", "fire_all": "a"}
+_POLICY_NAMES: dict[str, MisfirePolicy] = {code: name for name, code in _POLICY_CODES.items()}
 
 
 def _encode_rule(rule: Rule, out: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Configuration from ``CRONBUS_*`` environment variables (pydantic-settings), one class per service.
+"""Configuration from ``CRONBUS_*`` environment variables (pydantic-settings), per service.
 
 Every setting is documented in README's configuration table; a test keeps the two in step.
 """

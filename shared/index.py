@@ -110,8 +110,9 @@ def _parse_claim(shard: int, reply: list[Any]) -> ClaimResult:
         )
         for i in range(3, len(reply), 7)
     ]
-    return ClaimResult(shard, int(reply[0]), None if next_due < 0 else next_due, int(reply[2]),
-                       claimed)
+    return ClaimResult(
+        shard, int(reply[0]), None if next_due < 0 else next_due, int(reply[2]), claimed
+    )
 
 
 class Index:
@@ -169,8 +170,11 @@ class Index:
     ) -> list[ClaimResult]:
         order = list(shards)
         calls = [
-            ("claim", self._keys(s, "due", "lease", "occ", "sched", "seq"),
-             [limit, lease_ms, _opt(now_ms)])
+            (
+                "claim",
+                self._keys(s, "due", "lease", "occ", "sched", "seq"),
+                [limit, lease_ms, _opt(now_ms)],
+            )
             for s in order
         ]
         replies = await self._pipeline(calls)
@@ -183,8 +187,11 @@ class Index:
     ) -> dict[int, list[int]]:
         """Per shard, (member, token, hold_ms) -> 1 current (lease held) or 0 stale."""
         calls = [
-            ("begin", self._keys(s, "lease", "occ"),
-             [_opt(now_ms), *[v for item in batch for v in item]])
+            (
+                "begin",
+                self._keys(s, "lease", "occ"),
+                [_opt(now_ms), *[v for item in batch for v in item]],
+            )
             for s, batch in items.items()
         ]
         replies = await self._pipeline(calls)
@@ -206,8 +213,11 @@ class Index:
     ) -> dict[int, list[int]]:
         """Per shard, (member, token, delay_ms) -> 1 rescheduled or 0 stale."""
         calls = [
-            ("retry", self._keys(s, "due", "lease", "occ"),
-             [_opt(now_ms), *[v for item in batch for v in item]])
+            (
+                "retry",
+                self._keys(s, "due", "lease", "occ"),
+                [_opt(now_ms), *[v for item in batch for v in item]],
+            )
             for s, batch in items.items()
         ]
         replies = await self._pipeline(calls)
@@ -243,8 +253,11 @@ class Index:
     async def remove(self, items: dict[int, list[tuple[str, int | None]]]) -> dict[int, list[int]]:
         """Per shard, (member, version or None) -> 1 removed, 0 absent, -1 newer stored."""
         calls = [
-            ("remove", self._keys(s, "due", "lease", "occ", "sched"),
-             [v for member, version in batch for v in (member, _opt(version))])
+            (
+                "remove",
+                self._keys(s, "due", "lease", "occ", "sched"),
+                [v for member, version in batch for v in (member, _opt(version))],
+            )
             for s, batch in items.items()
         ]
         replies = await self._pipeline(calls)
@@ -256,8 +269,8 @@ class Index:
     # --- reads ------------------------------------------------------------------------------
 
     async def stored_plan(self, shard: int, member: str) -> bytes | None:
-        value: bytes | None = await self.client.hget(self.keys.sched(shard), member)
-        return value
+        value = await self.client.hget(self.keys.sched(shard), member)
+        return value.encode() if isinstance(value, str) else value
 
     async def due_count(self, shard: int) -> int:
         return int(await self.client.zcard(self.keys.due(shard)))

@@ -17,7 +17,7 @@ TRIGGER_SEPARATOR: Final = "#"
 
 
 def member(namespace: str, schedule_id: str) -> str:
-    """The index member of a schedule: ``namespace/id`` (neither part may contain ``/`` or ``#``)."""
+    """The index member of a schedule: ``namespace/id`` (neither part holds ``/`` or ``#``)."""
     return f"{namespace}/{schedule_id}"
 
 

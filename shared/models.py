@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import zoneinfo
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     JsonValue,
     PlainSerializer,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -235,12 +236,10 @@ class FireAllMisfire(MisfireCommon):
     limit: int = Field(default=100, ge=1, le=100_000)
 
 
-Misfire = Annotated[
-    SkipMisfire | FireOnceMisfire | FireAllMisfire, Field(discriminator="policy")
-]
+Misfire = Annotated[SkipMisfire | FireOnceMisfire | FireAllMisfire, Field(discriminator="policy")]
 
-#: Fields a reply shows that cronbus assigns: refused in an upsert so nothing is silently ignored.
-READ_ONLY_FIELDS = {
+#: Why each field a reply shows, but cronbus assigns, is refused in an upsert (never ignored).
+READ_ONLY_REASONS = {
     "version": "is assigned by cronbus; send expected_version for compare-and-set",
     "namespace": "comes from the routing key <namespace>.<verb>",
     "state": "is read-only; use the pause, resume or delete commands",
@@ -250,6 +249,7 @@ READ_ONLY_FIELDS = {
     "created_at": "is read-only",
     "updated_at": "is read-only",
 }
+ReadOnly = Annotated[None, Field(exclude=True)]
 
 
 class Schedule(Strict):
@@ -266,14 +266,30 @@ class Schedule(Strict):
     paused: bool = False
     labels: dict[str, str] = Field(default_factory=dict)
 
-    @model_validator(mode="before")
+    # Fields that replies show but cronbus assigns.
+    version: ReadOnly = None
+    namespace: ReadOnly = None
+    state: ReadOnly = None
+    next_fires: ReadOnly = None
+    last_fire_at: ReadOnly = None
+    fires: ReadOnly = None
+    created_at: ReadOnly = None
+    updated_at: ReadOnly = None
+
+    @field_validator(
+        "version",
+        "namespace",
+        "state",
+        "next_fires",
+        "last_fire_at",
+        "fires",
+        "created_at",
+        "updated_at",
+        mode="plain",
+    )
     @classmethod
-    def _refuse_read_only_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, reason in READ_ONLY_FIELDS.items():
-                if name in data:
-                    raise ValueError(f"{name} {reason}")
-        return data
+    def _refuse_read_only(cls, value: object, info: ValidationInfo) -> None:
+        raise ValueError(READ_ONLY_REASONS[str(info.field_name)])
 
     @field_validator("id")
     @classmethod

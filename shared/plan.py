@@ -98,8 +98,9 @@ def seconds_to_ms(seconds: float) -> int:
     return round(seconds * 1000)
 
 
-def _rule_of(spec: models.CronSpec | models.IntervalSpec | models.AfterCompletionSpec
-             | models.OnceSpec) -> Rule:
+def _rule_of(
+    spec: models.CronSpec | models.IntervalSpec | models.AfterCompletionSpec | models.OnceSpec,
+) -> Rule:
     if isinstance(spec, models.CronSpec):
         return CronRule(spec.expr, spec.timezone)
     if isinstance(spec, models.IntervalSpec):
@@ -129,8 +130,9 @@ def _target_of(target: models.WebhookTarget | models.AmqpTarget) -> TargetPlan:
     )
 
 
-def _misfire_of(misfire: models.SkipMisfire | models.FireOnceMisfire
-                | models.FireAllMisfire) -> MisfireRule:
+def _misfire_of(
+    misfire: models.SkipMisfire | models.FireOnceMisfire | models.FireAllMisfire,
+) -> MisfireRule:
     grace_ms = seconds_to_ms(misfire.grace_s)
     if isinstance(misfire, models.FireAllMisfire):
         return MisfireRule("fire_all", grace_ms, seconds_to_ms(misfire.window_s), misfire.limit)

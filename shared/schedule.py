@@ -147,7 +147,9 @@ def resolve_due(plan: Plan, candidate_ms: int | None, now_ms: int) -> int | None
     return _replay_start(plan, candidate_ms, now_ms - misfire.window_ms, missed_before)
 
 
-def _replay_start(plan: Plan, candidate_ms: int, window_floor: int, missed_before: int) -> int | None:
+def _replay_start(
+    plan: Plan, candidate_ms: int, window_floor: int, missed_before: int
+) -> int | None:
     """fire_all: the oldest missed time still to replay (within the window, the latest limit)."""
     first = candidate_ms if candidate_ms >= window_floor else next_nominal(plan, window_floor - 1)
     if first is None or first >= missed_before:

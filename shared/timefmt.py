@@ -17,9 +17,7 @@ def parse_rfc3339_ms(text: str) -> int:
     Raises ValueError with a reason a user can act on.
     """
     if not _RFC3339.match(text):
-        raise ValueError(
-            f"{text!r} is not an RFC 3339 time with a zone, like 2027-01-01T09:00:00Z"
-        )
+        raise ValueError(f"{text!r} is not an RFC 3339 time with a zone, like 2027-01-01T09:00:00Z")
     normalised = text[:-1] + "+00:00" if text[-1] in "Zz" else text
     fraction = re.search(r"\.(\d+)", normalised)
     if fraction and len(fraction.group(1)) > 6:

@@ -116,9 +116,9 @@ def parse_body(raw: bytes) -> Any:
         return codec.loads(raw) if raw.strip() else {}
     except codec.DecodeError as exc:
         raise ValidationFailed(
-            "invalid_command", f"the body is not valid JSON: {exc}", [
-                {"field": "(body)", "reason": "is not valid JSON"}
-            ]
+            "invalid_command",
+            f"the body is not valid JSON: {exc}",
+            [{"field": "(body)", "reason": "is not valid JSON"}],
         ) from None
 
 
@@ -133,7 +133,8 @@ def parse_command(verb: str, body: Any) -> models.Strict:
         )
     if not isinstance(body, dict):
         raise ValidationFailed(
-            "invalid_command", "the body must be a JSON object",
+            "invalid_command",
+            "the body must be a JSON object",
             [{"field": "(body)", "reason": "must be a JSON object"}],
         )
     try:
@@ -146,8 +147,9 @@ def _command_failure(verb: str, exc: pydantic.ValidationError) -> ValidationFail
     details = field_errors(exc)
     if verb == "upsert" and all(d["field"].startswith("schedule.") for d in details):
         # Schedule errors are named relative to the schedule, as in the pinned reply example.
-        details = [{"field": d["field"].removeprefix("schedule."), "reason": d["reason"]}
-                   for d in details]
+        details = [
+            {"field": d["field"].removeprefix("schedule."), "reason": d["reason"]} for d in details
+        ]
         return ValidationFailed("invalid_schedule", _summary(details), details)
     return ValidationFailed("invalid_command", _summary(details), details)
 
@@ -163,14 +165,13 @@ def check_namespace(namespace: str) -> None:
         models.check_namespace(namespace)
     except ValueError as exc:
         raise ValidationFailed(
-            "invalid_command", f"namespace {namespace!r} {exc}",
+            "invalid_command",
+            f"namespace {namespace!r} {exc}",
             [{"field": "routing_key", "reason": f"namespace {exc}"}],
         ) from None
 
 
-def check_schedule(
-    item: models.Schedule, version: int, now_ms: int, policy: TargetPolicy
-) -> Plan:
+def check_schedule(item: models.Schedule, version: int, now_ms: int, policy: TargetPolicy) -> Plan:
     """The schedule's plan, or ValidationFailed(invalid_schedule) when it would never fire or
     its target is not allowed."""
     plan = plan_of(item, version)
@@ -185,26 +186,32 @@ def _target_problems(
 ) -> list[FieldError]:
     problems: list[FieldError] = []
     if target.body is not None and len(codec.dumps(target.body)) > policy.max_body_bytes:
-        problems.append({
-            "field": "target.body",
-            "reason": f"is larger than the {policy.max_body_bytes} bytes allowed",
-        })
+        problems.append(
+            {
+                "field": "target.body",
+                "reason": f"is larger than the {policy.max_body_bytes} bytes allowed",
+            }
+        )
     if isinstance(target, models.WebhookTarget):
         host = (urlsplit(target.url).hostname or "").lower()
         if policy.host_denied(host):
             problems.append({"field": "target.url", "reason": f"host {host} is not allowed"})
         elif not any(fnmatch.fnmatchcase(host, glob) for glob in policy.allowed_hosts):
-            problems.append({
-                "field": "target.url",
-                "reason": f"host {host} is not in the allowed hosts of this cronbus",
-            })
+            problems.append(
+                {
+                    "field": "target.url",
+                    "reason": f"host {host} is not in the allowed hosts of this cronbus",
+                }
+            )
         return problems
     problems.extend(_exchange_problems(target))
     if not any(fnmatch.fnmatchcase(target.exchange, glob) for glob in policy.allowed_exchanges):
-        problems.append({
-            "field": "target.exchange",
-            "reason": f"exchange {target.exchange!r} is not in the allowed exchanges",
-        })
+        problems.append(
+            {
+                "field": "target.exchange",
+                "reason": f"exchange {target.exchange!r} is not in the allowed exchanges",
+            }
+        )
     return problems
 
 
@@ -212,10 +219,12 @@ def _exchange_problems(target: models.AmqpTarget) -> list[FieldError]:
     if target.exchange.startswith(keys.RESERVED_EXCHANGE_PREFIXES):
         return [{"field": "target.exchange", "reason": f"{target.exchange!r} is reserved"}]
     if not target.exchange and target.routing_key.startswith(keys.RESERVED_EXCHANGE_PREFIXES):
-        return [{
-            "field": "target.routing_key",
-            "reason": f"the default exchange may not route to {target.routing_key!r}",
-        }]
+        return [
+            {
+                "field": "target.routing_key",
+                "reason": f"the default exchange may not route to {target.routing_key!r}",
+            }
+        ]
     return []
 
 
@@ -224,19 +233,23 @@ def _firing_problems(plan: Plan, now_ms: int) -> list[FieldError]:
     if isinstance(rule, CronRule):
         tz = schedule.zone(rule.timezone)
         if cron.next_fire_ms(cron.parse(rule.expr), tz, now_ms) is None:
-            return [{
-                "field": "spec.expr",
-                "reason": f"never fires: no matching time within {cron.SEARCH_HORIZON_YEARS} years",
-            }]
+            return [
+                {
+                    "field": "spec.expr",
+                    "reason": f"never fires: no matching time within {cron.SEARCH_HORIZON_YEARS} years",
+                }
+            ]
     first = schedule.first_nominal(plan, now_ms)
     if first is None:
         return [_no_fire_problem(plan, now_ms)]
     if schedule.resolve_due(plan, first, now_ms) is None:
-        return [{
-            "field": "spec.at" if isinstance(rule, OnceRule) else "spec.end_at",
-            "reason": f"{timefmt.format_ms(first)} is already past and misfire policy "
-            f"{plan.misfire.policy} would never fire it",
-        }]
+        return [
+            {
+                "field": "spec.at" if isinstance(rule, OnceRule) else "spec.end_at",
+                "reason": f"{timefmt.format_ms(first)} is already past and misfire policy "
+                f"{plan.misfire.policy} would never fire it",
+            }
+        ]
     return []
 
 

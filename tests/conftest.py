@@ -34,8 +34,9 @@ def redis_prefix() -> str:
 
 
 @pytest.fixture
-async def redis_client(endpoints: services.Endpoints, redis_prefix: str
-                       ) -> AsyncIterator[aioredis.Redis]:
+async def redis_client(
+    endpoints: services.Endpoints, redis_prefix: str
+) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(endpoints.redis_url)
     yield client
     async for key in client.scan_iter(match=f"{redis_prefix}:*", count=1000):
@@ -61,8 +62,7 @@ async def template_database(endpoints: services.Endpoints) -> AsyncIterator[str]
 
 
 @pytest.fixture
-async def database_url(endpoints: services.Endpoints, template_database: str
-                       ) -> AsyncIterator[str]:
+async def database_url(endpoints: services.Endpoints, template_database: str) -> AsyncIterator[str]:
     name = services.unique("cronbus_t_")
     conn = await asyncpg.connect(endpoints.database_url)
     try:

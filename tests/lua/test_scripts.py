@@ -24,8 +24,15 @@ def plan(version: int = 1) -> bytes:
     )
 
 
-async def add(index: Index, shard: int, member: str, fire_ms: int, version: int = 1,
-              mode: str = "keep", next_occ: str = "") -> int:
+async def add(
+    index: Index,
+    shard: int,
+    member: str,
+    fire_ms: int,
+    version: int = 1,
+    mode: str = "keep",
+    next_occ: str = "",
+) -> int:
     result = await index.upsert(
         {shard: [Upsert(member, version, plan(version), mode, fire_ms, next_occ)]}  # type: ignore[arg-type]
     )
@@ -62,13 +69,19 @@ async def test_claim_takes_only_what_is_due_and_leases_it(index: Index) -> None:
     assert result.next_due_ms == NOW + 1
     assert result.now_ms == NOW
     first = result.claimed[0]
-    assert (first.fire_ms, first.nominal_ms, first.attempt, first.fires) == (NOW - 2000,
-                                                                             NOW - 2000, 1, 0)
+    assert (first.fire_ms, first.nominal_ms, first.attempt, first.fires) == (
+        NOW - 2000,
+        NOW - 2000,
+        1,
+        0,
+    )
     assert compact.decode(first.plan).version == 1
     state = await snapshot(index, 0)
     assert state["due"] == [(b"ns/later", float(NOW + 1))]
-    assert state["lease"] == [(b"ns/due-1", float(NOW + LEASE_MS)),
-                              (b"ns/due-2", float(NOW + LEASE_MS))]
+    assert state["lease"] == [
+        (b"ns/due-1", float(NOW + LEASE_MS)),
+        (b"ns/due-2", float(NOW + LEASE_MS)),
+    ]
     assert result.claimed[0].token != result.claimed[1].token
 
 
@@ -110,8 +123,9 @@ async def test_begin_holds_current_leases_and_reports_stale_tokens(index: Index)
     await add(index, 0, "ns/a", NOW - 1)
     [result] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
     token = result.claimed[0].token
-    codes = await index.begin({0: [("ns/a", token, 90_000), ("ns/a", token + 99, 90_000)]},
-                              now_ms=NOW + 5)
+    codes = await index.begin(
+        {0: [("ns/a", token, 90_000), ("ns/a", token + 99, 90_000)]}, now_ms=NOW + 5
+    )
     assert codes == {0: [1, 0]}
     assert await index.client.zscore(index.keys.lease(0), "ns/a") == NOW + 5 + 90_000
     # A shorter hold never shortens the lease.
@@ -142,10 +156,14 @@ async def test_complete_can_finish_a_schedule_and_store_the_next_state(index: In
     await add(index, 0, "ns/next", NOW - 1)
     [result] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
     tokens = {c.member: c.token for c in result.claimed}
-    codes = await index.complete({0: [
-        Completion("ns/last", tokens["ns/last"], None, finish=True),
-        Completion("ns/next", tokens["ns/next"], NOW + 7, occ_state(NOW + 5, 1, "", 3)),
-    ]})
+    codes = await index.complete(
+        {
+            0: [
+                Completion("ns/last", tokens["ns/last"], None, finish=True),
+                Completion("ns/next", tokens["ns/next"], NOW + 7, occ_state(NOW + 5, 1, "", 3)),
+            ]
+        }
+    )
     assert codes == {0: [1, 1]}
     state = await snapshot(index, 0)
     assert state["sched"].keys() == {b"ns/next"}  # type: ignore[attr-defined]

@@ -64,8 +64,11 @@ def endpoints() -> Iterator[Endpoints]:
         "CRONBUS_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
     )
     with contextlib.ExitStack() as stack:
-        checks = (("redis", redis_url, 6379), ("amqp", amqp_url, 5672),
-                  ("postgres", database_url, 5432))
+        checks = (
+            ("redis", redis_url, 6379),
+            ("amqp", amqp_url, 5672),
+            ("postgres", database_url, 5432),
+        )
         down = [name for name, url, port in checks if not _answering(url, port)]
         if down and shutil.which("docker") and _docker_works():
             started = _start_containers(stack, down)
@@ -121,8 +124,11 @@ def unique(prefix: str) -> str:
 
 def add_vhost(ctl: list[str], vhost: str, user: str = "guest") -> None:
     subprocess.run([*ctl, "add_vhost", vhost], check=True, capture_output=True)
-    subprocess.run([*ctl, "set_permissions", "-p", vhost, user, ".*", ".*", ".*"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [*ctl, "set_permissions", "-p", vhost, user, ".*", ".*", ".*"],
+        check=True,
+        capture_output=True,
+    )
 
 
 def delete_vhost(ctl: list[str], vhost: str) -> None:

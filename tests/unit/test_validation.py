@@ -1,0 +1,347 @@
+"""Commands and schedules: what is accepted, and errors naming each field and why."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shared import models, timefmt, validation
+from shared.errors import ValidationFailed
+
+NOW = timefmt.parse_rfc3339_ms("2026-11-22T12:00:00Z")
+
+PINNED_UPSERT: dict[str, Any] = {
+    "schedule": {
+        "id": "invoice-42",
+        "spec": {"kind": "cron", "expr": "0 9 * * MON-FRI", "timezone": "Europe/Berlin"},
+        "target": {
+            "kind": "webhook",
+            "url": "http://billing:8080/remind",
+            "method": "POST",
+            "headers": {"X-Tenant": "acme"},
+            "body": {"invoice": 42},
+            "timeout_s": 10,
+        },
+        "retry": {"max_attempts": 5, "initial_backoff_s": 1, "multiplier": 2, "max_backoff_s": 60},
+        "misfire": {"policy": "fire_once"},
+        "jitter_s": 0,
+        "priority": 0,
+        "labels": {"team": "billing"},
+    },
+    "expected_version": 3,
+}
+
+
+def schedule(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": "s1",
+        "spec": {"kind": "interval", "every_s": 60},
+        "target": {"kind": "webhook", "url": "http://sink:8080/hook"},
+    }
+    body.update(overrides)
+    return body
+
+
+def refused(verb: str, body: Any) -> ValidationFailed:
+    with pytest.raises(ValidationFailed) as caught:
+        command = validation.parse_command(verb, body)
+        if isinstance(command, models.UpsertCommand):
+            validation.check_schedule(command.schedule, 1, NOW, validation.TargetPolicy())
+    return caught.value
+
+
+def test_the_pinned_examples_are_accepted() -> None:
+    command = validation.parse_command("upsert", PINNED_UPSERT)
+    assert isinstance(command, models.UpsertCommand)
+    assert command.expected_version == 3
+    other_specs = [
+        {"kind": "interval", "every_s": 60},
+        {"kind": "after_completion", "delay_s": 300},
+        {"kind": "once", "at": "2027-01-01T09:00:00Z"},
+        {
+            "kind": "cron",
+            "expr": "*/5 * * * * *",
+            "start_at": "2027-01-01T00:00:00Z",
+            "end_at": "2027-02-01T00:00:00+01:00",
+            "max_fires": 10,
+        },
+    ]
+    for spec in other_specs:
+        validation.parse_command("upsert", {"schedule": schedule(spec=spec)})
+    for misfire in (
+        {"policy": "skip"},
+        {"policy": "fire_once"},
+        {"policy": "fire_all", "window_s": 3600, "limit": 100},
+    ):
+        validation.parse_command("upsert", {"schedule": schedule(misfire=misfire)})
+    amqp = {
+        "kind": "amqp",
+        "exchange": "billing",
+        "routing_key": "remind",
+        "headers": {},
+        "body": {},
+    }
+    validation.parse_command("upsert", {"schedule": schedule(target=amqp)})
+    for verb in ("delete", "pause", "resume", "trigger", "get"):
+        validation.parse_command(verb, {"id": "invoice-42"})
+    validation.parse_command("list", {"limit": 100, "cursor": None, "labels": {"team": "billing"}})
+
+
+def test_only_id_spec_and_target_are_required() -> None:
+    command = validation.parse_command("upsert", {"schedule": schedule()})
+    assert isinstance(command, models.UpsertCommand)
+    item = command.schedule
+    assert item.retry == models.Retry()
+    assert item.misfire.policy == "fire_once"
+    assert (item.jitter_s, item.priority, item.paused, item.labels) == (0, 0, False, {})
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "field", "reason"),
+    [
+        (
+            {"schedule": schedule(spec={"kind": "cron", "expr": "0 25 * * *"})},
+            "invalid_schedule",
+            "spec.expr",
+            "hour: 25 is out of range 0-23",
+        ),
+        (
+            {"schedule": schedule(spec={"kind": "cron", "expr": "0 0 30 2 *"})},
+            "invalid_schedule",
+            "spec.expr",
+            "never fires",
+        ),
+        (
+            {
+                "schedule": schedule(
+                    spec={"kind": "cron", "expr": "* * * * *", "timezone": "Mars/Olympus"}
+                )
+            },
+            "invalid_schedule",
+            "spec.timezone",
+            "unknown time zone 'Mars/Olympus'",
+        ),
+        (
+            {"schedule": schedule(spec={"kind": "hourly"})},
+            "invalid_schedule",
+            "spec.kind",
+            "must be one of",
+        ),
+        (
+            {"schedule": schedule(spec={"every_s": 5})},
+            "invalid_schedule",
+            "spec.kind",
+            "is required",
+        ),
+        (
+            {"schedule": schedule(spec={"kind": "interval", "every_s": 0.5})},
+            "invalid_schedule",
+            "spec.every_s",
+            "greater than or equal to 1",
+        ),
+        (
+            {"schedule": schedule(spec={"kind": "interval", "every_s": "60"})},
+            "invalid_schedule",
+            "spec.every_s",
+            "must be a number",
+        ),
+        (
+            {"schedule": schedule(spec={"kind": "once", "at": "tomorrow"})},
+            "invalid_schedule",
+            "spec.at",
+            "not an RFC 3339 time",
+        ),
+        (
+            {"schedule": schedule(spec={"kind": "once", "at": "2027-01-01T09:00:00"})},
+            "invalid_schedule",
+            "spec.at",
+            "not an RFC 3339 time",
+        ),
+        (
+            {
+                "schedule": schedule(
+                    spec={"kind": "interval", "every_s": 60, "end_at": "2020-01-01T00:00:00Z"}
+                )
+            },
+            "invalid_schedule",
+            "spec.end_at",
+            "in the past",
+        ),
+        (
+            {
+                "schedule": schedule(
+                    spec={"kind": "once", "at": "2020-01-01T00:00:00Z"}, misfire={"policy": "skip"}
+                )
+            },
+            "invalid_schedule",
+            "spec.at",
+            "would never fire",
+        ),
+        (
+            {"schedule": schedule(spec={"kind": "interval", "every_s": 60, "color": "red"})},
+            "invalid_schedule",
+            "spec.color",
+            "unknown field",
+        ),
+        ({"schedule": schedule(colour="red")}, "invalid_schedule", "colour", "unknown field"),
+        ({"schedule": schedule(id="has/slash")}, "invalid_schedule", "id", "letters, digits"),
+        ({"schedule": schedule(version=4)}, "invalid_schedule", "version", "expected_version"),
+        (
+            {"schedule": schedule(state="paused")},
+            "invalid_schedule",
+            "state",
+            "pause, resume or delete",
+        ),
+        (
+            {"schedule": schedule(target={"kind": "webhook", "url": "ftp://x/y"})},
+            "invalid_schedule",
+            "target.url",
+            "http:// or https://",
+        ),
+        (
+            {"schedule": schedule(target={"kind": "webhook", "url": "http://169.254.169.254/x"})},
+            "invalid_schedule",
+            "target.url",
+            "not allowed",
+        ),
+        (
+            {
+                "schedule": schedule(
+                    target={
+                        "kind": "webhook",
+                        "url": "http://x/",
+                        "headers": {"Idempotency-Key": "mine"},
+                    }
+                )
+            },
+            "invalid_schedule",
+            "target.headers",
+            "set by cronbus",
+        ),
+        (
+            {"schedule": schedule(target={"kind": "amqp", "exchange": "cronbus.commands"})},
+            "invalid_schedule",
+            "target.exchange",
+            "reserved",
+        ),
+        (
+            {
+                "schedule": schedule(
+                    target={"kind": "amqp", "exchange": "", "routing_key": "cronbus.deliveries"}
+                )
+            },
+            "invalid_schedule",
+            "target.routing_key",
+            "default exchange",
+        ),
+        (
+            {
+                "schedule": schedule(
+                    target={"kind": "webhook", "url": "http://x/", "success_codes": [700]}
+                )
+            },
+            "invalid_schedule",
+            "target.success_codes",
+            "between 100 and 599",
+        ),
+        (
+            {"schedule": schedule(retry={"max_attempts": 0})},
+            "invalid_schedule",
+            "retry.max_attempts",
+            "greater than or equal to 1",
+        ),
+        (
+            {"schedule": schedule(retry={"initial_backoff_s": 10, "max_backoff_s": 5})},
+            "invalid_schedule",
+            "retry",
+            "max_backoff_s must be at least",
+        ),
+        (
+            {"schedule": schedule(misfire={"policy": "fire_all", "limit": 0})},
+            "invalid_schedule",
+            "misfire.limit",
+            "greater than or equal to 1",
+        ),
+        (
+            {"schedule": schedule(labels={"bad key!": "x"})},
+            "invalid_schedule",
+            "labels",
+            "label key",
+        ),
+        (
+            {"schedule": schedule(), "expected_version": -1},
+            "invalid_command",
+            "expected_version",
+            "greater than or equal to 0",
+        ),
+        ({"schedule": schedule(), "dry_run": True}, "invalid_command", "dry_run", "unknown field"),
+        ({}, "invalid_command", "schedule", "is required"),
+        ([], "invalid_command", "(body)", "must be a JSON object"),
+    ],
+)
+def test_bad_upserts_name_the_field_and_the_reason(
+    body: Any, code: str, field: str, reason: str
+) -> None:
+    error = refused("upsert", body)
+    assert error.code == code
+    assert any(d["field"] == field and reason in d["reason"] for d in error.details), error.details
+    assert field in str(error) or field == "(body)"
+
+
+@pytest.mark.parametrize(
+    ("verb", "body", "field", "reason"),
+    [
+        ("delete", {}, "id", "is required"),
+        ("pause", {"id": ""}, "id", "letters, digits"),
+        ("get", {"id": "x", "extra": 1}, "extra", "unknown field"),
+        ("list", {"limit": 0}, "limit", "greater than or equal to 1"),
+        ("list", {"limit": 5000}, "limit", "less than or equal to 1000"),
+        ("list", {"state": "sleeping"}, "state", "should be"),
+    ],
+)
+def test_bad_commands_name_the_field(verb: str, body: Any, field: str, reason: str) -> None:
+    error = refused(verb, body)
+    assert error.code == "invalid_command"
+    assert any(d["field"] == field and reason in d["reason"] for d in error.details), error.details
+
+
+def test_unknown_verbs_and_namespaces_are_refused() -> None:
+    assert refused("explode", {}).code == "unknown_verb"
+    with pytest.raises(ValidationFailed) as caught:
+        validation.check_namespace("Bad.NS")
+    assert caught.value.details[0]["field"] == "routing_key"
+
+
+def test_text_that_is_not_json_is_refused() -> None:
+    with pytest.raises(ValidationFailed) as caught:
+        validation.parse_body(b"{not json")
+    assert caught.value.code == "invalid_command"
+
+
+def test_operator_policy_limits_hosts_exchanges_and_bodies() -> None:
+    policy = validation.TargetPolicy(
+        allowed_hosts=("*.internal",), allowed_exchanges=("jobs.*",), max_body_bytes=10
+    )
+    command = validation.parse_command(
+        "upsert",
+        {
+            "schedule": schedule(
+                target={
+                    "kind": "webhook",
+                    "url": "http://evil.example/x",
+                    "body": {"a": "0123456789"},
+                }
+            )
+        },
+    )
+    assert isinstance(command, models.UpsertCommand)
+    with pytest.raises(ValidationFailed) as caught:
+        validation.check_schedule(command.schedule, 1, NOW, policy)
+    fields = {d["field"] for d in caught.value.details}
+    assert fields == {"target.url", "target.body"}
+    ok = validation.parse_command(
+        "upsert", {"schedule": schedule(target={"kind": "amqp", "exchange": "jobs.nightly"})}
+    )
+    assert isinstance(ok, models.UpsertCommand)
+    validation.check_schedule(ok.schedule, 1, NOW, policy)
