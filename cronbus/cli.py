@@ -1,19 +1,63 @@
-"""The ``cronbus`` command: the user's front door."""
+"""cronbus: publish schedule commands, preview fire times, inspect executions, run the services.
+
+Connection settings come from the same CRONBUS_* environment variables the services read
+(CRONBUS_AMQP_URL, CRONBUS_DATABASE_URL, ...). The namespace comes from -n/--namespace or
+CRONBUS_NAMESPACE (default: "default").
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import os
+import runpy
 import sys
 from collections.abc import Callable, Sequence
 
+from cronbus import commands, dev
 from cronbus import preview as preview_cmd
 from cronbus.common import CliError
 
 Handler = Callable[[argparse.Namespace], int]
+Subparsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
+SERVICES = ("dispatcher", "executor", "sweeper")
 
 
-def _add_preview(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _with_namespace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--namespace", default=os.environ.get("CRONBUS_NAMESPACE", "default"),
+                   help="namespace of the schedules (default: $CRONBUS_NAMESPACE or 'default')")
+    p.add_argument("--timeout", type=float, default=30, help="seconds to wait for the reply")
+
+
+def _add_commands(sub: Subparsers) -> None:
+    p = sub.add_parser("apply", help="create or replace schedules from a YAML or JSON file")
+    p.add_argument("-f", "--file", required=True, help="file of one or many schedules ('-': stdin)")
+    _with_namespace(p)
+    p.set_defaults(handler=commands.run_apply)
+    for verb, text in (("get", "show a schedule with its next fire times"),
+                       ("pause", "stop a schedule firing (it keeps its place)"),
+                       ("resume", "let a paused schedule fire again (misfire policy applies)"),
+                       ("delete", "delete a schedule"),
+                       ("trigger", "fire a schedule once now, outside its rotation")):
+        p = sub.add_parser(verb, help=text)
+        p.add_argument("id", help="schedule id")
+        _with_namespace(p)
+        p.set_defaults(handler=commands.run_by_id)
+    p = sub.add_parser("list", help="list schedules (paged)")
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--cursor", help="next_cursor of the previous page")
+    p.add_argument("-l", "--label", action="append", help="key=value (repeatable)")
+    p.add_argument("--state", choices=("active", "paused", "completed"))
+    _with_namespace(p)
+    p.set_defaults(handler=commands.run_list)
+    p = sub.add_parser("executions", help="recent executions of a schedule (from PostgreSQL)")
+    p.add_argument("id", help="schedule id")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    _with_namespace(p)
+    p.set_defaults(handler=commands.run_executions)
+
+
+def _add_preview(sub: Subparsers) -> None:
     p = sub.add_parser("preview", help="print the next fire times of a cron expression or interval")
     p.add_argument("--cron", help="cron expression: 5 fields, or 6 with seconds first")
     p.add_argument("--timezone", help="IANA time zone of the cron expression (default UTC)")
@@ -23,28 +67,55 @@ def _add_preview(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(handler=preview_cmd.run)
 
 
-def _add_migrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_operations(sub: Subparsers) -> None:
     p = sub.add_parser("migrate", help="create the database if missing and apply migrations")
     p.set_defaults(handler=_migrate)
+    p = sub.add_parser("run", help="run one service (same as python -m services.NAME)")
+    p.add_argument("service", choices=SERVICES)
+    p.set_defaults(handler=_run_service)
+    p = sub.add_parser("dev", help="run migrations and all three services locally")
+    p.add_argument("--demo", action="store_true",
+                   help="also start a printing sink and register demo schedules")
+    p.add_argument("--port-base", type=int, default=9101,
+                   help="metrics ports: dispatcher, executor, sweeper from here (default 9101)")
+    p.add_argument("--sink-port", type=int, default=8099, help="demo sink port (default 8099)")
+    p.add_argument("--status-every", type=float, default=1.0, help="seconds between status lines")
+    p.set_defaults(handler=dev.run)
+    p = sub.add_parser("sink", help="an HTTP sink that prints every delivery it receives")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8099)
+    p.set_defaults(handler=dev.run_sink)
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from shared import db  # noqa: PLC0415 - keep `cronbus preview` free of driver imports
+    import asyncio  # noqa: PLC0415
+
+    from shared import db, transient  # noqa: PLC0415
     from shared.config import SweeperSettings  # noqa: PLC0415
 
     settings = SweeperSettings()
-    applied = asyncio.run(
-        db.migrate(settings.database_url, partitions_ahead_days=settings.partitions_ahead_days)
-    )
+    try:
+        applied = asyncio.run(db.migrate(settings.database_url,
+                                         partitions_ahead_days=settings.partitions_ahead_days))
+    except transient.ERRORS as exc:
+        raise CliError(f"cannot reach PostgreSQL: {exc}") from None
     print("applied: " + ", ".join(applied) if applied else "up to date")
     return 0
 
 
+def _run_service(args: argparse.Namespace) -> int:
+    sys.argv = [f"services.{args.service}"]
+    runpy.run_module(f"services.{args.service}", run_name="__main__", alter_sys=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cronbus", description=__doc__)
+    parser = argparse.ArgumentParser(prog="cronbus", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_commands(sub)
     _add_preview(sub)
-    _add_migrate(sub)
+    _add_operations(sub)
     return parser
 
 

@@ -132,6 +132,19 @@ def encode(plan: Plan) -> bytes:
     return codec.dumps(out)
 
 
+_VERSION_PREFIX = b'{"v":'
+
+
+def version_of(raw: bytes) -> int:
+    """The version of a stored value without decoding it (it always comes first)."""
+    if not raw.startswith(_VERSION_PREFIX):
+        raise ValueError("not a compact schedule")
+    end = len(_VERSION_PREFIX)
+    while end < len(raw) and raw[end : end + 1].isdigit():
+        end += 1
+    return int(raw[len(_VERSION_PREFIX) : end])
+
+
 def decode(raw: bytes | str) -> Plan:
     data = codec.loads(raw)
     return decode_object(data)

@@ -40,6 +40,8 @@ class CommonSettings(BaseSettings):
     sweep_interval_s: float = Field(default=5, gt=0, le=3600)
     #: On SIGTERM, how long a service may take to finish what it holds.
     shutdown_grace_s: float = Field(default=20, ge=0, le=600)
+    #: Apply pending database migrations when the service starts.
+    migrate_on_start: bool = True
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: json: one JSON object per line; text: for people at a terminal.
     log_format: Literal["json", "text"] = "json"
@@ -105,8 +107,10 @@ class SweeperSettings(CommonSettings):
     reclaim_batch: int = Field(default=1000, ge=1, le=100_000)
     #: Schedules written to Redis per pipeline during a rebuild.
     rebuild_batch: int = Field(default=2000, ge=1, le=100_000)
-    #: How often the index is compared with PostgreSQL.
-    drift_check_interval_s: float = Field(default=60, gt=0)
+    #: How often schedules changed recently are compared between PostgreSQL and the index.
+    drift_check_interval_s: float = Field(default=30, gt=0)
+    #: How often every schedule and index entry is compared (a full scan).
+    drift_full_interval_s: float = Field(default=900, gt=0)
     #: Executions older than this many days are dropped (a whole day partition at a time).
     retention_days: int = Field(default=7, ge=1, le=3650)
     #: Daily execution partitions created ahead of time.

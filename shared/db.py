@@ -12,6 +12,9 @@ from shared import sql
 
 log = logging.getLogger(__name__)
 
+#: A connection, pooled or not.
+Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+
 #: Serialises migrators (several services may start at once).
 _MIGRATION_LOCK = 0x63726F6E62757301
 
@@ -60,7 +63,7 @@ async def migrate(url: str, *, partitions_ahead_days: int = 3) -> list[str]:
     return applied
 
 
-async def _apply_pending(conn: asyncpg.Connection) -> list[str]:
+async def _apply_pending(conn: Connection) -> list[str]:
     await conn.execute(
         """CREATE TABLE IF NOT EXISTS schema_migrations (
                version integer PRIMARY KEY,
@@ -87,7 +90,7 @@ def partition_name(day: dt.date) -> str:
 
 
 async def ensure_partitions(
-    conn: asyncpg.Connection, today: dt.date, ahead_days: int, behind_days: int = 1
+    conn: Connection, today: dt.date, ahead_days: int, behind_days: int = 1
 ) -> list[str]:
     """Create the daily partitions of ``executions`` from ``today - behind`` to ``today + ahead``.
 
@@ -112,7 +115,7 @@ async def ensure_partitions(
     return created
 
 
-async def _create_partition(conn: asyncpg.Connection, name: str, day: dt.date) -> None:
+async def _create_partition(conn: Connection, name: str, day: dt.date) -> None:
     low, high = day.isoformat(), (day + dt.timedelta(days=1)).isoformat()
     async with conn.transaction():
         await conn.execute(f"CREATE TABLE {name} (LIKE executions INCLUDING ALL)")
@@ -128,7 +131,7 @@ async def _create_partition(conn: asyncpg.Connection, name: str, day: dt.date) -
         )
 
 
-async def drop_partitions_before(conn: asyncpg.Connection, cutoff: dt.date) -> list[str]:
+async def drop_partitions_before(conn: Connection, cutoff: dt.date) -> list[str]:
     """Drop whole daily partitions that end on or before ``cutoff`` (retention)."""
     dropped = []
     rows = await conn.fetch(

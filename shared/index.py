@@ -223,6 +223,21 @@ class Index:
         replies = await self._pipeline(calls)
         return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
 
+    async def release(
+        self, items: dict[int, list[tuple[str, int]]], now_ms: int | None = None
+    ) -> dict[int, list[int]]:
+        """Per shard, (member, token) -> 1 released back to due or 0 stale."""
+        calls = [
+            (
+                "release",
+                self._keys(s, "due", "lease", "occ"),
+                [_opt(now_ms), *[v for item in batch for v in item]],
+            )
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
     # --- sweeper ----------------------------------------------------------------------------
 
     async def reclaim(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 DEFAULT_PREFIX: Final = "cronbus"
 
@@ -121,9 +121,9 @@ def dead_letter_queue(queue: str) -> str:
     return f"{queue}.dead"
 
 
-def quorum_queue_arguments(queue: str, *, delivery_limit: int | None = None) -> dict[str, object]:
+def quorum_queue_arguments(queue: str, *, delivery_limit: int | None = None) -> dict[str, Any]:
     """Arguments of a quorum queue whose rejected (or over-delivered) messages go to its DLQ."""
-    arguments: dict[str, object] = {
+    arguments: dict[str, Any] = {
         "x-queue-type": "quorum",
         "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
         "x-dead-letter-routing-key": dead_letter_queue(queue),

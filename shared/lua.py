@@ -18,7 +18,16 @@ from redis import exceptions as redis_errors
 
 from shared.errors import LuaScriptError, StaleWriteError
 
-SCRIPT_NAMES = ("claim", "begin", "complete", "retry", "reclaim", "upsert", "remove")
+SCRIPT_NAMES = (
+    "claim",
+    "begin",
+    "complete",
+    "retry",
+    "release",
+    "reclaim",
+    "upsert",
+    "remove",
+)
 
 
 class Code(enum.IntEnum):

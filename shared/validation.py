@@ -236,7 +236,8 @@ def _firing_problems(plan: Plan, now_ms: int) -> list[FieldError]:
             return [
                 {
                     "field": "spec.expr",
-                    "reason": f"never fires: no matching time within {cron.SEARCH_HORIZON_YEARS} years",
+                    "reason": "never fires: no matching time within "
+                    f"{cron.SEARCH_HORIZON_YEARS} years",
                 }
             ]
     first = schedule.first_nominal(plan, now_ms)

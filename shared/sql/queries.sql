@@ -96,3 +96,20 @@ SELECT namespace, id, version, state, compact, fires,
 FROM schedules
 WHERE state IN ('active', 'paused')
 ORDER BY priority DESC, namespace, id;
+
+-- changed_schedules --
+-- Schedules a command changed since an instant (drift repair's recent window).
+SELECT namespace, id, version, state, compact, fires,
+       (extract(epoch FROM last_fire_at) * 1000)::bigint AS last_fire_ms,
+       (extract(epoch FROM next_fire_at) * 1000)::bigint AS next_fire_ms
+FROM schedules
+WHERE updated_at >= to_timestamp($1::bigint / 1000.0);
+
+-- schedule_versions --
+-- Version and state of the given schedules (drift repair checks index entries against them).
+SELECT s.namespace, s.id, s.version, s.state, s.compact, s.fires,
+       (extract(epoch FROM s.last_fire_at) * 1000)::bigint AS last_fire_ms,
+       (extract(epoch FROM s.next_fire_at) * 1000)::bigint AS next_fire_ms
+FROM schedules s
+JOIN unnest($1::text[], $2::text[]) AS k(namespace, id)
+  ON s.namespace = k.namespace AND s.id = k.id;

@@ -291,3 +291,15 @@ async def test_concurrent_claimers_never_share_an_occurrence(
     # Fencing tokens are unique within a shard.
     assert len({(shard, token) for batch in claims for _, shard, token in batch}) == total
     assert sum(1 for batch in claims if batch) > 1, "expected the claimers to interleave"
+
+
+async def test_release_hands_back_an_unpublished_claim(index: Index) -> None:
+    await add(index, 0, "ns/p", NOW - 1)
+    [result] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
+    token = result.claimed[0].token
+    assert await index.release({0: [("ns/p", token + 1)]}, now_ms=NOW) == {0: [0]}
+    assert await index.release({0: [("ns/p", token)]}, now_ms=NOW + 3) == {0: [1]}
+    state = await snapshot(index, 0)
+    assert state["due"] == [(b"ns/p", float(NOW + 3))] and state["lease"] == []
+    [again] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW + 3)
+    assert [(c.attempt, c.nominal_ms) for c in again.claimed] == [(1, NOW - 1)]

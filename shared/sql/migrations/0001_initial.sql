@@ -24,6 +24,8 @@ CREATE TABLE schedules (
 );
 
 CREATE INDEX schedules_labels ON schedules USING gin (labels jsonb_path_ops);
+-- Drift repair looks at the schedules commands changed recently.
+CREATE INDEX schedules_updated ON schedules (updated_at);
 -- A rebuild streams the live schedules, highest priority first.
 CREATE INDEX schedules_rebuild ON schedules (priority DESC, namespace, id)
     WHERE state IN ('active', 'paused');
@@ -69,3 +71,5 @@ CREATE TABLE commands (
 );
 
 CREATE INDEX commands_schedule ON commands (namespace, schedule_id, seq);
+-- A redelivered command (same message_id) is answered, not applied twice.
+CREATE INDEX commands_message ON commands (message_id) WHERE message_id IS NOT NULL;

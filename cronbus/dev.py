@@ -1,0 +1,233 @@
+"""``cronbus dev``: migrations and all three services locally, with a live status line.
+
+With ``--demo`` it also starts a sink that prints every delivery and registers a few demo
+schedules that fire into it, so a newcomer sees cronbus work within a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cronbus.client import CommandClient
+from cronbus.common import CliError
+from cronbus.sink import Received, Sink
+from shared import db, timefmt, transient
+from shared.config import CommonSettings
+
+SERVICES = ("dispatcher", "executor", "sweeper")
+LOG_DIR = Path(".cronbus-dev")
+
+
+@dataclass
+class Child:
+    name: str
+    port: int
+    popen: subprocess.Popen[bytes]
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(  # noqa: S310 - our own loopback port
+                    f"http://127.0.0.1:{self.port}{path}", timeout=1) as response:
+                return int(response.status), response.read().decode()
+        except OSError as exc:
+            return int(getattr(exc, "code", 0) or 0), ""
+
+
+def demo_schedules(sink_url: str, now_ms: int) -> list[dict[str, Any]]:
+    hook = {"kind": "webhook", "url": f"{sink_url}/demo"}
+    return [
+        {"id": "every-5s", "spec": {"kind": "interval", "every_s": 5},
+         "target": {**hook, "body": {"hello": "every 5 seconds"}}},
+        {"id": "cron-every-10s", "spec": {"kind": "cron", "expr": "*/10 * * * * *"},
+         "target": {**hook, "body": {"hello": "cron, seconds first"}}},
+        {"id": "once-in-15s",
+         "spec": {"kind": "once", "at": timefmt.format_ms(now_ms - now_ms % 1000 + 15_000)},
+         "target": {**hook, "body": {"hello": "just once"}}},
+        {"id": "flaky", "spec": {"kind": "interval", "every_s": 20},
+         "target": {"kind": "webhook", "url": f"{sink_url}/flaky"},
+         "retry": {"max_attempts": 3, "initial_backoff_s": 1}},
+    ]
+
+
+def _print_delivery(request: Received) -> None:
+    late = request.at_ms - timefmt.parse_rfc3339_ms(request.fire_time) if request.fire_time else 0
+    _clear_status()
+    print(f"delivery  {request.schedule:24} fire {request.fire_time}  "
+          f"attempt {request.attempt}  late {late:.0f} ms  key {request.key[:8]}…  "
+          f"{request.body.decode(errors='replace')}", flush=True)
+
+
+def _flaky(request: Received) -> int:
+    """The demo's flaky target fails its first attempt: watch the retry come back."""
+    return 503 if request.path == "/flaky" and request.attempt == 1 else 200
+
+
+_status_shown = False
+
+
+def _clear_status() -> None:
+    global _status_shown  # noqa: PLW0603 - one terminal, one status line
+    if _status_shown and sys.stdout.isatty():
+        sys.stdout.write("\r\033[K")
+    _status_shown = False
+
+
+def _show_status(line: str) -> None:
+    global _status_shown  # noqa: PLW0603
+    if sys.stdout.isatty():
+        sys.stdout.write("\r\033[K" + line)
+        sys.stdout.flush()
+        _status_shown = True
+    else:
+        print(line, flush=True)
+
+
+def _samples(text: str) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items()))
+            found[key] = found.get(key, 0) + sample.value
+    return found
+
+
+def _quantile(samples: dict[str, float], q: float) -> float | None:
+    prefix = "cronbus_fire_lateness_seconds_bucket,le="
+    buckets = sorted((float(k[len(prefix):]), v) for k, v in samples.items()
+                     if k.startswith(prefix))
+    total = buckets[-1][1] if buckets else 0
+    if not total:
+        return None
+    for bound, count in buckets:
+        if count >= q * total:
+            return bound
+    return None
+
+
+def status_line(children: list[Child]) -> str:
+    parts = []
+    executor_metrics: dict[str, float] = {}
+    dispatcher_metrics: dict[str, float] = {}
+    for child in children:
+        code, _ = child.get("/readyz")
+        state = "ready" if code == 200 else ("down" if child.popen.poll() is not None
+                                             else "starting")
+        parts.append(f"{child.name} {state}")
+        if child.name in ("executor", "dispatcher") and code:
+            _, text = child.get("/metrics")
+            target = executor_metrics if child.name == "executor" else dispatcher_metrics
+            target.update(_samples(text))
+    ok = sum(v for k, v in executor_metrics.items()
+             if k.startswith("cronbus_delivered_total") and "outcome=succeeded" in k)
+    failed = sum(v for k, v in executor_metrics.items()
+                 if k.startswith("cronbus_delivered_total") and "outcome=succeeded" not in k)
+    backlog = sum(v for k, v in dispatcher_metrics.items() if k.startswith("cronbus_due_backlog"))
+    p50, p99 = _quantile(executor_metrics, 0.5), _quantile(executor_metrics, 0.99)
+    late = "" if p50 is None or p99 is None else (
+        f" | lateness p50 ≤{p50 * 1000:.0f}ms p99 ≤{p99 * 1000:.0f}ms")
+    return (f"{time.strftime('%H:%M:%S')} " + " | ".join(parts)
+            + f" | delivered ok {ok:.0f} failed {failed:.0f}{late} | due backlog {backlog:.0f}")
+
+
+def _start(name: str, port: int, env: dict[str, str]) -> Child:
+    LOG_DIR.mkdir(exist_ok=True)
+    log = (LOG_DIR / f"{name}.log").open("ab")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", f"services.{name}"],
+        env={**env, "CRONBUS_METRICS_PORT": str(port), "CRONBUS_LOG_FORMAT": "text",
+             "CRONBUS_MIGRATE_ON_START": "false"},
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return Child(name, port, popen)
+
+
+async def _wait_ready(children: list[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        while (await asyncio.to_thread(child.get, "/readyz"))[0] != 200:
+            if child.popen.poll() is not None:
+                raise CliError(f"{child.name} exited; see {LOG_DIR / (child.name + '.log')}")
+            if time.monotonic() > deadline:
+                raise CliError(f"{child.name} not ready after {timeout_s:g}s; "
+                               f"see {LOG_DIR / (child.name + '.log')}")
+            await asyncio.sleep(0.2)
+
+
+async def _register_demo(settings: CommonSettings, sink: Sink) -> None:
+    async with CommandClient(settings.amqp_url, app_id="cronbus-dev") as client:
+        for item in demo_schedules(sink.url, int(time.time() * 1000)):
+            reply = await client.send("demo", "upsert", {"schedule": item})
+            if not reply.get("ok"):
+                raise CliError(f"demo schedule {item['id']} refused: {reply.get('error')}")
+            print(f"registered demo/{item['id']}: next {reply['schedule']['next_fires'][:2]}")
+
+
+async def _dev(args: argparse.Namespace) -> int:
+    settings = CommonSettings()
+    try:
+        applied = await db.migrate(settings.database_url)
+    except transient.ERRORS as exc:
+        raise CliError(f"cannot reach PostgreSQL at {settings.database_url}: {exc}") from None
+    print("migrations: " + (", ".join(applied) if applied else "up to date"))
+    sink: Sink | None = None
+    if args.demo:
+        sink = Sink(respond=_flaky, on_receive=_print_delivery, keep=False)
+        await sink.start(port=args.sink_port)
+        print(f"demo sink listening on {sink.url}")
+    env = dict(os.environ)
+    children = [_start(name, args.port_base + i, env) for i, name in enumerate(SERVICES)]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await _wait_ready(children, 60)
+        print(f"cronbus is running (logs in {LOG_DIR}/); Ctrl-C stops it")
+        if sink is not None:
+            await _register_demo(settings, sink)
+        while not stop.is_set():
+            _show_status(await asyncio.to_thread(status_line, children))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), args.status_every)
+    finally:
+        _clear_status()
+        print("\nstopping ...")
+        for child in children:
+            if child.popen.poll() is None:
+                child.popen.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                await asyncio.to_thread(child.popen.wait, 30)
+            except subprocess.TimeoutExpired:
+                child.popen.kill()
+        if sink is not None:
+            await sink.stop()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_dev(args))
+
+
+def run_sink(args: argparse.Namespace) -> int:
+    async def serve() -> None:
+        sink = Sink(on_receive=_print_delivery, keep=False)
+        await sink.start(host=args.host, port=args.port)
+        print(f"sink listening on {sink.url}", flush=True)
+        await asyncio.Event().wait()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve())
+    return 0

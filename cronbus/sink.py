@@ -1,0 +1,155 @@
+"""A small, fast HTTP sink that records webhook deliveries (for ``cronbus dev``, tests, bench).
+
+It speaks just enough HTTP/1.1 for webhook calls: keep-alive, pipelining, Content-Length
+bodies. Written on asyncio's protocol layer so that a benchmark measures cronbus, not the sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+_REASONS = {
+    200: "OK",
+    201: "Created",
+    204: "No Content",
+    400: "Bad Request",
+    404: "Not Found",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+MAX_HEAD = 64 * 1024
+
+
+@dataclass(slots=True)
+class Received:
+    at_ms: float
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def key(self) -> str:
+        return self.headers.get("idempotency-key", "")
+
+    @property
+    def schedule(self) -> str:
+        return self.headers.get("x-cronbus-schedule", "")
+
+    @property
+    def fire_time(self) -> str:
+        return self.headers.get("x-cronbus-fire-time", "")
+
+    @property
+    def attempt(self) -> int:
+        return int(self.headers.get("x-cronbus-attempt", "0") or 0)
+
+
+#: Decides the status of each request (200 unless told otherwise).
+Responder = Callable[[Received], int]
+
+
+@dataclass
+class Sink:
+    respond: Responder = field(default=lambda _: 200)
+    on_receive: Callable[[Received], None] | None = None
+    #: Keep what was received (a benchmark may only count).
+    keep: bool = True
+    received: list[Received] = field(default_factory=list)
+    count: int = 0
+    port: int = 0
+    _server: asyncio.Server | None = None
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Protocol(self), host, port, reuse_address=True, backlog=1024
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def record(self, request: Received) -> int:
+        self.count += 1
+        if self.keep:
+            self.received.append(request)
+        if self.on_receive is not None:
+            self.on_receive(request)
+        self._arrived.set()
+        return self.respond(request)
+
+    async def wait_for(self, predicate: Callable[[Sink], bool], timeout_s: float) -> bool:
+        """Wait until ``predicate(self)`` holds (checked at each arrival), or the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate(self):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), min(remaining, 0.5))
+            except TimeoutError:
+                continue
+        return True
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while self._one_request():
+            pass
+
+    def _one_request(self) -> bool:
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.buffer) > MAX_HEAD:
+                self._reply(400, close=True)
+            return False
+        lines = bytes(self.buffer[:end]).decode("latin-1").split("\r\n")
+        method, path, _ = [*lines[0].split(" ", 2), "", ""][:3]
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length", "0") or 0)
+        if len(self.buffer) < end + 4 + length:
+            return False
+        body = bytes(self.buffer[end + 4 : end + 4 + length])
+        del self.buffer[: end + 4 + length]
+        status = self.sink.record(Received(time.time() * 1000, method, path, headers, body))
+        self._reply(status, close=headers.get("connection", "").lower() == "close")
+        return True
+
+    def _reply(self, status: int, *, close: bool = False) -> None:
+        if self.transport is None:
+            return
+        reason = _REASONS.get(status, "Status")
+        connection = b"close" if close else b"keep-alive"
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\nContent-Length: 0\r\nConnection: %s\r\n\r\n"
+            % (status, reason.encode(), connection)
+        )
+        if close:
+            self.transport.close()

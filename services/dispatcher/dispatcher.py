@@ -1,0 +1,190 @@
+"""The claim loop: due occurrences out of the Redis shards, onto ``cronbus.deliveries``.
+
+It sleeps until the earliest due time (or a wake-up from the intake), claims in batches with
+claim.lua, publishes many occurrences per message with publisher confirms, many messages in
+flight at once, and stops claiming while the deliveries queue is above its high-water mark,
+so that overload waits in Redis rather than in the broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractExchange
+
+from shared import amqp, delivery, keys, metrics, transient
+from shared.config import DispatcherSettings
+from shared.index import Claimed, ClaimResult, Index
+
+log = logging.getLogger(__name__)
+
+#: How often the deliveries queue depth is read for backpressure.
+BACKLOG_CHECK_S = 0.25
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        settings: DispatcherSettings,
+        index: Index,
+        channel: AbstractChannel,
+        stopping: asyncio.Event,
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.channel = channel
+        self.stopping = stopping
+        self.wake_event = asyncio.Event()
+        #: The shards this dispatcher claims from (all of them unless leases say otherwise).
+        self.shards: list[int] = list(range(settings.shards))
+        self._exchange: AbstractExchange | None = None
+        self._ready_messages = 0
+        self._backlog_checked = 0.0
+        self._sleep_until_ms: float = 0
+        self._redis_offset_ms = 0.0
+
+    def wake(self, fire_ms: int) -> None:
+        """A schedule is due at ``fire_ms``: wake the loop if it sleeps past it."""
+        if fire_ms <= self._redis_now_ms() + 1 or fire_ms < self._sleep_until_ms:
+            self.wake_event.set()
+
+    def _redis_now_ms(self) -> float:
+        return time.time() * 1000 + self._redis_offset_ms
+
+    async def run(self) -> None:
+        self._exchange = await self.channel.get_exchange(keys.DELIVERIES_EXCHANGE, ensure=False)
+        metrics.SHARDS_OWNED.set(len(self.shards))
+        while not self.stopping.is_set():
+            try:
+                await self.step()
+            except transient.ERRORS as exc:
+                log.warning(
+                    "claim loop waits for a dependency",
+                    extra={"action": "dispatcher_wait", "error": repr(exc)},
+                )
+                await self._pause(1.0)
+
+    async def step(self) -> None:
+        # Cleared before claiming: a wake-up that arrives while we publish is not lost.
+        self.wake_event.clear()
+        if await self._backpressured():
+            await self._pause(BACKLOG_CHECK_S)
+            return
+        results = await self.index.claim(
+            self.shards, self.settings.claim_batch, round(self.settings.lease_s * 1000)
+        )
+        claimed = [c for result in results for c in result.claimed]
+        for result in results:
+            if result.orphans:
+                metrics.ORPHANS.inc(result.orphans)
+        if claimed:
+            metrics.CLAIMED.inc(len(claimed))
+            await self.publish(claimed)
+        await self._sleep_until_next(results)
+
+    async def publish(self, claimed: Sequence[Claimed]) -> None:
+        """Publish in messages of up to ``delivery_batch`` occurrences, all confirms awaited
+        together; what could not be published goes straight back to due (release.lua)."""
+        size = self.settings.delivery_batch
+        batches = [claimed[i : i + size] for i in range(0, len(claimed), size)]
+        outcomes = await asyncio.gather(
+            *(self._publish_one(b) for b in batches), return_exceptions=True
+        )
+        failed = [
+            c
+            for batch, outcome in zip(batches, outcomes, strict=True)
+            if isinstance(outcome, BaseException)
+            for c in batch
+        ]
+        published = len(claimed) - len(failed)
+        metrics.PUBLISHED.inc(published)
+        metrics.DELIVERY_MESSAGES.inc(sum(1 for o in outcomes if not isinstance(o, BaseException)))
+        if failed:
+            await self._release(failed)
+
+    async def _publish_one(self, batch: Sequence[Claimed]) -> None:
+        assert self._exchange is not None
+        message = aio_pika.Message(
+            delivery.encode(batch),
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            headers={"x-cronbus-occurrences": len(batch)},
+        )
+        await self._exchange.publish(
+            message, routing_key=amqp.DELIVERIES_ROUTING_KEY, mandatory=True, timeout=30
+        )
+
+    async def _release(self, failed: Sequence[Claimed]) -> None:
+        metrics.PUBLISH_FAILURES.inc(len(failed))
+        log.warning(
+            "publish failed; occurrences released",
+            extra={"action": "publish_failed", "occurrences": len(failed)},
+        )
+        by_shard: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        for c in failed:
+            by_shard[c.shard].append((c.member, c.token))
+        # If Redis is away too, the leases expire and the sweeper reclaims them.
+        with contextlib.suppress(*transient.ERRORS):
+            await self.index.release(dict(by_shard))
+
+    async def _backpressured(self) -> bool:
+        now = time.monotonic()
+        if now - self._backlog_checked >= BACKLOG_CHECK_S:
+            self._backlog_checked = now
+            self._ready_messages = await amqp.ready_messages(self.channel, keys.DELIVERIES_QUEUE)
+            metrics.DELIVERIES_READY.set(self._ready_messages)
+        high = self._ready_messages > self.settings.deliveries_high_water
+        metrics.BACKPRESSURE.set(1 if high else 0)
+        return high
+
+    async def _sleep_until_next(self, results: Sequence[ClaimResult]) -> None:
+        if not results:
+            await self._pause(self.settings.max_sleep_s)
+            return
+        now_ms = max(r.now_ms for r in results)
+        self._redis_offset_ms = now_ms - time.time() * 1000
+        if any(len(r.claimed) >= self.settings.claim_batch for r in results):
+            return  # more is due right now
+        upcoming = [r.next_due_ms for r in results if r.next_due_ms is not None]
+        delay_ms = (min(upcoming) - now_ms) if upcoming else self.settings.max_sleep_s * 1000
+        delay_s = min(max(delay_ms, 0) / 1000, self.settings.max_sleep_s)
+        if delay_s <= 0:
+            return
+        self._sleep_until_ms = now_ms + delay_s * 1000
+        await self._pause(delay_s)
+        self._sleep_until_ms = 0
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once for an intake's wake-up or a stop."""
+        waits = [
+            asyncio.ensure_future(self.wake_event.wait()),
+            asyncio.ensure_future(self.stopping.wait()),
+        ]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+
+    async def report_backlog(self) -> None:
+        """Due-now entries per shard, as a gauge (every few seconds)."""
+        while not self.stopping.is_set():
+            with contextlib.suppress(*transient.ERRORS):
+                now_ms = int(self._redis_now_ms())
+                pipe = self.index.client.pipeline(transaction=False)
+                for shard in range(self.settings.shards):
+                    pipe.zcount(self.index.keys.due(shard), "-inf", now_ms)
+                counts = await pipe.execute()
+                for shard, count in enumerate(counts):
+                    metrics.DUE_BACKLOG.labels(str(shard)).set(count)
+            await self._pause_backlog(5.0)
+
+    async def _pause_backlog(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), seconds)

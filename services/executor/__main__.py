@@ -1,0 +1,9 @@
+"""``python -m services.executor``."""
+
+from services.executor.service import ExecutorService
+from shared import service
+from shared.config import ExecutorSettings
+
+if __name__ == "__main__":
+    settings = ExecutorSettings()
+    service.main("executor", ExecutorService(settings), settings)

@@ -1,0 +1,104 @@
+"""Execution rows and rotation checkpoints, written to PostgreSQL in batches.
+
+Rows wait in bounded memory; a flush writes them all in two statements. While PostgreSQL is
+away the rows stay (delivering goes on); when the buffer is full the executor stops taking
+new work instead of dropping rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from shared import metrics, transient
+from shared.store import Checkpoint, ExecutionRow, Store
+
+log = logging.getLogger(__name__)
+
+#: Most rows one statement writes.
+MAX_BATCH = 5000
+
+
+class AuditWriter:
+    def __init__(self, store: Store, flush_ms: int, max_rows: int) -> None:
+        self.store = store
+        self.flush_s = flush_ms / 1000
+        self.max_rows = max_rows
+        self.rows: list[ExecutionRow] = []
+        self.checkpoints: list[Checkpoint] = []
+        self._room = asyncio.Event()
+        self._room.set()
+        self._wake = asyncio.Event()
+
+    def add(self, row: ExecutionRow, checkpoint: Checkpoint | None) -> None:
+        self.rows.append(row)
+        if checkpoint is not None:
+            self.checkpoints.append(checkpoint)
+        self._update()
+
+    def _update(self) -> None:
+        pending = len(self.rows) + len(self.checkpoints)
+        metrics.AUDIT_BUFFERED.set(pending)
+        if pending >= self.max_rows:
+            if self._room.is_set():
+                log.warning(
+                    "audit buffer full; pausing deliveries",
+                    extra={"action": "audit_buffer_full", "rows": pending},
+                )
+            self._room.clear()
+            self._wake.set()
+        else:
+            self._room.set()
+
+    async def wait_for_room(self) -> None:
+        await self._room.wait()
+
+    async def flush(self) -> bool:
+        """Write what is buffered; False when PostgreSQL refused (the rows are kept)."""
+        while self.rows or self.checkpoints:
+            rows, checkpoints = self.rows[:MAX_BATCH], self.checkpoints[:MAX_BATCH]
+            try:
+                if rows:
+                    await self.store.write_executions(rows)
+                if checkpoints:
+                    await self.store.write_checkpoints(checkpoints)
+            except transient.ERRORS as exc:
+                log.warning(
+                    "audit write failed; rows kept",
+                    extra={
+                        "action": "audit_write_failed",
+                        "rows": len(self.rows),
+                        "error": repr(exc),
+                    },
+                )
+                return False
+            del self.rows[: len(rows)]
+            del self.checkpoints[: len(checkpoints)]
+            metrics.AUDIT_WRITTEN.inc(len(rows))
+            self._update()
+        return True
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        delay = self.flush_s
+        while not stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+            self._wake.clear()
+            ok = await self.flush()
+            delay = self.flush_s if ok else min(max(delay * 2, 0.5), 5.0)
+
+    async def close(self, timeout_s: float) -> int:
+        """Last flush on shutdown; returns the rows that could not be written."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not await self.flush():
+            if asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.5)
+        left = len(self.rows) + len(self.checkpoints)
+        if left:
+            log.error(
+                "audit rows lost at shutdown: PostgreSQL unreachable",
+                extra={"action": "audit_rows_lost", "rows": left},
+            )
+        return left

@@ -1,0 +1,245 @@
+"""Delivering occurrences: check the token, deliver, then complete or retry, then ack.
+
+A message from ``cronbus.deliveries`` carries many occurrences. Each is fenced first (begin.lua:
+a stale token means another process already took care of it, so it is skipped), delivered
+with bounded concurrency, and settled: complete.lua places the schedule's next occurrence, or
+retry.lua puts the same occurrence back with a backoff. Only when every occurrence of the
+message is settled in Redis is the message acknowledged; a crash before that redelivers it,
+and the fencing tokens make the redelivery skip what was already settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from services.executor import settle
+from services.executor.audit import AuditWriter
+from services.executor.events import Events
+from services.executor.settle import Outcome, Settlement
+from services.executor.targets import AmqpTargets, Webhooks
+from shared import delivery, metrics, schedule, transient
+from shared.batcher import Batcher
+from shared.config import ExecutorSettings
+from shared.delivery import Occurrence
+from shared.index import Completion, Index
+from shared.plan import WebhookPlan
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+BATCH_ITEMS = 2000
+
+
+def _by_shard(items: Sequence[tuple[int, T]]) -> dict[int, list[T]]:
+    grouped: dict[int, list[T]] = defaultdict(list)
+    for shard, item in items:
+        grouped[shard].append(item)
+    return grouped
+
+
+def _in_order(items: Sequence[tuple[int, object]], codes: dict[int, list[int]]) -> list[int]:
+    """Per-shard results back into the order the items were submitted in."""
+    cursors = dict.fromkeys(codes, 0)
+    ordered = []
+    for shard, _ in items:
+        ordered.append(codes[shard][cursors[shard]])
+        cursors[shard] += 1
+    return ordered
+
+
+class Executor:
+    def __init__(
+        self,
+        settings: ExecutorSettings,
+        index: Index,
+        webhooks: Webhooks,
+        amqp_targets: AmqpTargets,
+        audit: AuditWriter,
+        events: Events,
+        stopping: asyncio.Event,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.webhooks = webhooks
+        self.amqp_targets = amqp_targets
+        self.audit = audit
+        self.events = events
+        self.stopping = stopping
+        self.clock = clock
+        self.rng = random.Random()
+        self.slots = asyncio.Semaphore(settings.concurrency)
+        self.lease_ms = round(settings.lease_s * 1000)
+        self._begin = Batcher(
+            self._flush_begin, max_delay_ms=1, max_items=BATCH_ITEMS, name="begin"
+        )
+        self._complete = Batcher(
+            self._flush_complete,
+            max_delay_ms=settings.complete_flush_ms,
+            max_items=BATCH_ITEMS,
+            name="complete",
+        )
+        self._retry = Batcher(
+            self._flush_retry,
+            max_delay_ms=settings.complete_flush_ms,
+            max_items=BATCH_ITEMS,
+            name="retry",
+        )
+
+    def now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    # --- batched Redis calls ------------------------------------------------------------------
+
+    async def _flush_begin(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[int]:
+        return _in_order(items, await self.index.begin(_by_shard(items)))
+
+    async def _flush_complete(self, items: Sequence[tuple[int, Completion]]) -> list[int]:
+        return _in_order(items, await self.index.complete(_by_shard(items)))
+
+    async def _flush_retry(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[int]:
+        return _in_order(items, await self.index.retry(_by_shard(items)))
+
+    # --- one message --------------------------------------------------------------------------
+
+    async def handle(self, message: AbstractIncomingMessage) -> None:
+        try:
+            occurrences = delivery.decode(message.body)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error(
+                "undecodable delivery message dead-lettered",
+                extra={"action": "delivery_rejected", "error": repr(exc)},
+            )
+            metrics.DEAD_LETTERED.labels("cronbus.deliveries").inc()
+            await message.reject(requeue=False)
+            return
+        try:
+            await self.audit.wait_for_room()
+            await asyncio.gather(*(self.process(occ) for occ in occurrences))
+        except (transient.Stopped, asyncio.CancelledError):
+            # Handed back: the redelivery's fencing skips whatever was settled already.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(message.nack(requeue=True))
+            raise
+        await message.ack()
+
+    async def process(self, occ: Occurrence) -> None:
+        """Fence, deliver and settle one occurrence (waiting out Redis outages)."""
+        hold_ms = occ.plan.target.timeout_ms + self.lease_ms
+        current = await transient.retry(
+            lambda: self._begin.submit((occ.shard, (occ.member, occ.token, hold_ms))),
+            what="begin",
+            stopping=self.stopping,
+        )
+        if not current:
+            metrics.STALE.labels("begin").inc()
+            return
+        key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
+        chosen = settle.missed_choice(occ, self.now_ms())
+        if chosen != occ.nominal_ms:
+            metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
+            log.info(
+                "missed occurrence skipped by its misfire policy",
+                extra={
+                    "action": "misfire",
+                    "schedule": occ.member,
+                    "nominal_ms": occ.nominal_ms,
+                    "next_ms": chosen,
+                    "policy": occ.plan.misfire.policy,
+                },
+            )
+            await self._settle(occ, settle.skip(occ, key, chosen, self.now_ms()))
+            return
+        async with self.slots:
+            outcome, started, finished = await self._deliver(occ, key)
+        await self._settle(
+            occ, settle.settle(occ, key, outcome, started, finished, self.now_ms(), self.rng)
+        )
+
+    async def _deliver(self, occ: Occurrence, key: str) -> tuple[Outcome, int, int]:
+        kind = "webhook" if isinstance(occ.plan.target, WebhookPlan) else "amqp"
+        started = self.now_ms()
+        if occ.attempt == 1:
+            # Retries are late by design (their backoff); lateness measures the first attempt.
+            metrics.FIRE_LATENESS.observe(max(started - occ.nominal_ms, 0) / 1000)
+        if self.events.wanted("fired"):
+            await self.events.publish(
+                "fired", settle.row_of(occ, key, "fired", None, started, started)
+            )
+        metrics.IN_FLIGHT.inc()
+        try:
+            if kind == "webhook":
+                outcome = await self.webhooks.deliver(occ, key)
+            else:
+                outcome = await self.amqp_targets.deliver(occ, key)
+        finally:
+            metrics.IN_FLIGHT.dec()
+        finished = self.now_ms()
+        metrics.DELIVERY_DURATION.labels(kind).observe((finished - started) / 1000)
+        attempt_result = (
+            "succeeded"
+            if outcome.ok
+            else ("failed" if occ.attempt < occ.plan.retry.max_attempts else "dead")
+        )
+        metrics.DELIVERED.labels(kind, attempt_result).inc()
+        return outcome, started, finished
+
+    async def _settle(self, occ: Occurrence, settlement: Settlement) -> None:
+        if settlement.completion is not None:
+            completion = settlement.completion
+            code = await transient.retry(
+                lambda: self._complete.submit((occ.shard, completion)),
+                what="complete",
+                stopping=self.stopping,
+            )
+        else:
+            delay = settlement.retry_delay_ms or 0
+            code = await transient.retry(
+                lambda: self._retry.submit((occ.shard, (occ.member, occ.token, delay))),
+                what="retry",
+                stopping=self.stopping,
+            )
+            if code:
+                metrics.RETRIES.inc()
+        if not code:
+            # Reclaimed or revoked while we delivered: another message carries it now.
+            metrics.STALE.labels("complete").inc()
+        if settlement.event == "dead":
+            metrics.DEAD.inc()
+        self.audit.add(settlement.row, settlement.checkpoint if code else None)
+        self._log(occ, settlement)
+        await self.events.publish(settlement.event, settlement.row)
+
+    def _log(self, occ: Occurrence, settlement: Settlement) -> None:
+        if settlement.event == "succeeded" and not log.isEnabledFor(logging.DEBUG):
+            return
+        row = settlement.row
+        level = logging.WARNING if settlement.event in ("failed", "dead") else logging.DEBUG
+        log.log(
+            level,
+            "occurrence %s",
+            settlement.event,
+            extra={
+                "action": f"occurrence_{settlement.event}",
+                "schedule": occ.member,
+                "nominal_ms": occ.nominal_ms,
+                "attempt": occ.attempt,
+                "idempotency_key": row.idempotency_key,
+                "http_status": row.http_status,
+                "error": row.error,
+                "retry_in_ms": settlement.retry_delay_ms,
+            },
+        )
+
+    async def drain(self) -> None:
+        for batcher in (self._begin, self._complete, self._retry):
+            await batcher.drain()

@@ -1,0 +1,140 @@
+"""What happens after a delivery attempt, decided without I/O.
+
+Success or a final failure completes the occurrence and places the schedule's next one (the
+"ack by rescheduling"); a failure with attempts left puts the same occurrence back with a
+backoff; a missed occurrence the misfire policy does not want is completed without a delivery.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+from shared import backoff, schedule
+from shared.delivery import Occurrence
+from shared.index import Completion, resting_occ_state
+from shared.store import Checkpoint, ExecutionRow
+
+EventKind = Literal["succeeded", "failed", "dead", "skipped"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    ok: bool
+    http_status: int | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Settlement:
+    #: complete.lua input (None: retry instead).
+    completion: Completion | None
+    #: retry.lua delay (None: complete instead).
+    retry_delay_ms: int | None
+    row: ExecutionRow
+    #: The rotation checkpoint for PostgreSQL, written once Redis accepted the completion.
+    checkpoint: Checkpoint | None
+    event: EventKind
+
+
+def _rotate(
+    occ: Occurrence, next_nominal: int | None, fires: int, passed_ms: int
+) -> tuple[Completion, Checkpoint]:
+    """Complete ``occ`` and put the schedule's next occurrence (or finish it)."""
+    plan = occ.plan
+    if next_nominal is None:
+        return (
+            Completion(occ.member, occ.token, None, "", finish=True),
+            Checkpoint(occ.namespace, occ.id, passed_ms, None, fires, finished=True),
+        )
+    fire = schedule.fire_at_ms(plan, occ.member, next_nominal)
+    state = resting_occ_state(next_nominal, fire, fires, plan.max_fires is not None)
+    return (
+        Completion(occ.member, occ.token, fire, state),
+        Checkpoint(occ.namespace, occ.id, passed_ms, next_nominal, fires),
+    )
+
+
+def next_nominal_after(occ: Occurrence, fires: int, finished_ms: int, now_ms: int) -> int | None:
+    plan = occ.plan
+    if schedule.is_exhausted(plan, fires):
+        return None
+    candidate = schedule.following(plan, occ.nominal_ms, finished_ms)
+    return schedule.resolve_due(plan, candidate, now_ms)
+
+
+def finish(occ: Occurrence, finished_ms: int, now_ms: int) -> tuple[Completion, Checkpoint | None]:
+    """The completion of a finished occurrence (succeeded, or dead after its last attempt)."""
+    if occ.is_trigger:
+        return Completion(occ.member, occ.token, None, ""), None
+    fires = occ.fires + 1
+    return _rotate(occ, next_nominal_after(occ, fires, finished_ms, now_ms), fires, occ.nominal_ms)
+
+
+def row_of(
+    occ: Occurrence,
+    key: str,
+    status: str,
+    outcome: Outcome | None,
+    started_ms: int,
+    finished_ms: int,
+) -> ExecutionRow:
+    return ExecutionRow(
+        namespace=occ.namespace,
+        id=occ.id,
+        nominal_ms=occ.nominal_ms,
+        is_trigger=occ.is_trigger,
+        attempts=occ.attempt,
+        status=status,
+        http_status=outcome.http_status if outcome else None,
+        error=outcome.error if outcome else None,
+        idempotency_key=key,
+        started_ms=started_ms,
+        finished_ms=finished_ms,
+    )
+
+
+def settle(
+    occ: Occurrence,
+    key: str,
+    outcome: Outcome,
+    started_ms: int,
+    finished_ms: int,
+    now_ms: int,
+    rng: random.Random,
+) -> Settlement:
+    if not outcome.ok and backoff.attempts_left(occ.plan.retry, occ.attempt):
+        delay = backoff.delay_ms(occ.plan.retry, occ.attempt, rng)
+        return Settlement(
+            None,
+            delay,
+            row_of(occ, key, "retrying", outcome, started_ms, finished_ms),
+            None,
+            "failed",
+        )
+    completion, checkpoint = finish(occ, finished_ms, now_ms)
+    status: EventKind = "succeeded" if outcome.ok else "dead"
+    return Settlement(
+        completion,
+        None,
+        row_of(occ, key, status, outcome, started_ms, finished_ms),
+        checkpoint,
+        status,
+    )
+
+
+def missed_choice(occ: Occurrence, now_ms: int) -> int | None:
+    """For a regular first attempt: the nominal time the misfire policy wants fired instead
+    of ``occ`` (None: none at all), or ``occ.nominal_ms`` itself when it should fire."""
+    if occ.is_trigger or occ.attempt > 1:
+        return occ.nominal_ms
+    return schedule.resolve_due(occ.plan, occ.nominal_ms, now_ms)
+
+
+def skip(occ: Occurrence, key: str, chosen: int | None, now_ms: int) -> Settlement:
+    """Complete a missed occurrence without delivering it; the rotation moves to ``chosen``."""
+    completion, checkpoint = _rotate(occ, chosen, occ.fires, occ.nominal_ms)
+    return Settlement(
+        completion, None, row_of(occ, key, "skipped", None, now_ms, now_ms), checkpoint, "skipped"
+    )

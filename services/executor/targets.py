@@ -1,0 +1,129 @@
+"""Delivering one occurrence to its target: an HTTP webhook or an AMQP publish."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aio_pika
+import aiohttp
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+
+from services.executor.settle import Outcome
+from shared import timefmt
+from shared.delivery import Occurrence
+from shared.plan import AmqpPlan, WebhookPlan
+
+USER_AGENT = "cronbus/0.1"
+#: Response bytes kept as the error of a failed webhook call.
+ERROR_BODY_BYTES = 300
+
+
+def pinned_headers(occ: Occurrence, key: str) -> dict[str, str]:
+    """The headers every delivery carries (the pinned contract)."""
+    headers = {
+        "Idempotency-Key": key,
+        "X-Cronbus-Schedule": f"{occ.namespace}/{occ.id}",
+        "X-Cronbus-Fire-Time": timefmt.format_ms(occ.nominal_ms),
+        "X-Cronbus-Attempt": str(occ.attempt),
+    }
+    if occ.is_trigger:
+        headers["X-Cronbus-Trigger"] = "manual"
+    return headers
+
+
+class Webhooks:
+    """One pooled HTTP client for every webhook this executor calls."""
+
+    def __init__(self, connections_per_host: int) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=connections_per_host, ttl_dns_cache=60
+            ),
+            headers={"User-Agent": USER_AGENT},
+            skip_auto_headers=("Content-Type",),
+        )
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def deliver(self, occ: Occurrence, key: str) -> Outcome:
+        target = occ.plan.target
+        assert isinstance(target, WebhookPlan)
+        headers = dict(target.headers)
+        headers.update(pinned_headers(occ, key))
+        if target.body is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self.session.request(
+                target.method,
+                target.url,
+                data=target.body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=target.timeout_ms / 1000),
+                allow_redirects=False,
+            ) as response:
+                body = await response.content.read(ERROR_BODY_BYTES)
+                status = response.status
+        except TimeoutError:
+            return Outcome(False, None, f"timed out after {target.timeout_ms / 1000:g}s")
+        except (aiohttp.ClientError, OSError) as exc:
+            return Outcome(False, None, f"{type(exc).__name__}: {exc}"[:500])
+        if _succeeded(status, target.success_codes):
+            return Outcome(True, status)
+        text = body.decode("utf-8", "replace").strip()
+        return Outcome(False, status, f"HTTP {status}" + (f": {text}" if text else ""))
+
+
+def _succeeded(status: int, codes: frozenset[int] | None) -> bool:
+    return status in codes if codes is not None else 200 <= status < 300
+
+
+class AmqpTargets:
+    """Publishes to users' exchanges with publisher confirms; ``message_id`` is the key."""
+
+    def __init__(self, connection: AbstractRobustConnection) -> None:
+        self.connection = connection
+        self._channel: AbstractChannel | None = None
+        self._lock = asyncio.Lock()
+
+    async def _ensure_channel(self) -> AbstractChannel:
+        async with self._lock:
+            if self._channel is None or self._channel.is_closed:
+                self._channel = await self.connection.channel(
+                    publisher_confirms=True, on_return_raises=True
+                )
+            return self._channel
+
+    async def deliver(self, occ: Occurrence, key: str) -> Outcome:
+        target = occ.plan.target
+        assert isinstance(target, AmqpPlan)
+        headers: dict[str, object] = dict(target.headers)
+        pinned = pinned_headers(occ, key)
+        del pinned["Idempotency-Key"]
+        headers.update(pinned)
+        message = aio_pika.Message(
+            target.body or b"",
+            content_type="application/json",
+            message_id=key,
+            headers=headers,  # type: ignore[arg-type]
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            timestamp=occ.nominal_ms / 1000,
+        )
+        try:
+            channel = await self._ensure_channel()
+            exchange = (
+                await channel.get_exchange(target.exchange, ensure=False)
+                if (target.exchange)
+                else channel.default_exchange
+            )
+            await exchange.publish(
+                message,
+                routing_key=target.routing_key,
+                mandatory=True,
+                timeout=target.timeout_ms / 1000,
+            )
+        except aio_pika.exceptions.DeliveryError as exc:
+            return Outcome(False, None, f"not routed: {exc}"[:500])
+        except Exception as exc:  # noqa: BLE001 - a failed attempt, retried by policy
+            return Outcome(False, None, f"{type(exc).__name__}: {exc}"[:500])
+        return Outcome(True)

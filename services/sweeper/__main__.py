@@ -1,0 +1,9 @@
+"""``python -m services.sweeper``."""
+
+from services.sweeper.service import SweeperService
+from shared import service
+from shared.config import SweeperSettings
+
+if __name__ == "__main__":
+    settings = SweeperSettings()
+    service.main("sweeper", SweeperService(settings), settings)

@@ -1,0 +1,337 @@
+"""Recovery: reclaim expired leases, rebuild a lost index, repair drift, keep retention.
+
+Several sweepers may run; a short lock makes one of them act per step, and it expires by
+itself if that sweeper dies. A rebuild has its own lock, renewed while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+
+from redis.asyncio.lock import Lock
+
+from shared import compact, db, keys, metrics, rotation, transient
+from shared.config import SweeperSettings
+from shared.index import Index, Upsert
+from shared.plan import same_rotation
+from shared.store import LiveSchedule, Store
+
+log = logging.getLogger(__name__)
+
+#: Drift repair looks this far behind the previous check (clock skew, slow commits).
+DRIFT_OVERLAP_MS = 120_000
+#: Members read from Redis per round trip during a full drift scan.
+SCAN_BATCH = 1000
+
+
+def _group(entries: Iterable[tuple[int, Upsert]]) -> dict[int, list[Upsert]]:
+    grouped: dict[int, list[Upsert]] = defaultdict(list)
+    for shard, entry in entries:
+        grouped[shard].append(entry)
+    return grouped
+
+
+class Sweeper:
+    def __init__(
+        self,
+        settings: SweeperSettings,
+        index: Index,
+        store: Store,
+        stopping: asyncio.Event,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.store = store
+        self.stopping = stopping
+        self.clock = clock
+        self.identity = uuid.uuid4().hex
+        self.rebuilding: asyncio.Task[None] | None = None
+        self._last_drift_ms = 0
+        self._last_full_drift = 0.0
+        self._last_retention = 0.0
+
+    def now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                await self.step()
+            except transient.ERRORS as exc:
+                log.warning(
+                    "sweep step waits for a dependency",
+                    extra={"action": "sweep_wait", "error": repr(exc)},
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), self.settings.sweep_interval_s)
+        if self.rebuilding is not None and not self.rebuilding.done():
+            # The rebuild lock expires by itself; another sweeper starts over ('keep' writes
+            # make a second pass harmless).
+            self.rebuilding.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *transient.ERRORS):
+                await self.rebuilding
+
+    async def step(self) -> None:
+        lock = Lock(
+            self.index.client,
+            self.index.keys.sweep_lock,
+            timeout=max(self.settings.sweep_interval_s * 3, 10),
+            blocking=False,
+        )
+        if not await lock.acquire(token=self.identity):
+            return
+        try:
+            await self.reclaim()
+            await self.check_epoch()
+            await self.repair_drift()
+            await self.keep_retention()
+        finally:
+            with contextlib.suppress(Exception):
+                await lock.release()
+
+    # --- expired leases -----------------------------------------------------------------------
+
+    async def reclaim(self) -> int:
+        """Leases past their deadline go back to due (a few rounds at most per step)."""
+        total = 0
+        shards = list(range(self.settings.shards))
+        for _ in range(10):
+            counts = await self.index.reclaim(shards, self.settings.reclaim_batch)
+            reclaimed = sum(r for r, _ in counts.values())
+            total += reclaimed
+            shards = [s for s, (r, d) in counts.items() if r + d >= self.settings.reclaim_batch]
+            if not shards:
+                break
+        if total:
+            metrics.RECLAIMED.inc(total)
+            log.info("expired leases reclaimed", extra={"action": "reclaimed", "count": total})
+        return total
+
+    # --- rebuild ------------------------------------------------------------------------------
+
+    async def check_epoch(self) -> None:
+        epoch = await self.index.client.get(self.index.keys.epoch)
+        metrics.INDEX_EPOCH_PRESENT.set(1 if epoch else 0)
+        if epoch or (self.rebuilding is not None and not self.rebuilding.done()):
+            return
+        self.rebuilding = asyncio.create_task(self.rebuild_with_lock(), name="rebuild")
+
+    async def rebuild_with_lock(self) -> None:
+        lock = Lock(self.index.client, self.index.keys.rebuild_lock, timeout=60, blocking=False)
+        if not await lock.acquire(token=self.identity):
+            return
+        renew = asyncio.create_task(self._renew(lock), name="rebuild-lock")
+        try:
+            if not await self.index.client.get(self.index.keys.epoch):
+                await self.rebuild()
+        except transient.ERRORS as exc:
+            log.warning(
+                "rebuild interrupted; it will start over",
+                extra={"action": "rebuild_interrupted", "error": repr(exc)},
+            )
+        finally:
+            renew.cancel()
+            with contextlib.suppress(Exception):
+                await lock.release()
+
+    async def _renew(self, lock: Lock) -> None:
+        while True:
+            await asyncio.sleep(15)
+            with contextlib.suppress(*transient.ERRORS):
+                await lock.reacquire()
+
+    async def rebuild(self) -> int:
+        """Stream every live schedule from PostgreSQL, highest priority first, into the shards;
+        then set the epoch. Dispatchers fire what is rebuilt while the rest streams in."""
+        started = time.monotonic()
+        log.warning(
+            "index epoch missing: rebuilding from PostgreSQL", extra={"action": "rebuild_started"}
+        )
+        metrics.REBUILD_RUNNING.set(1)
+        written = 0
+        try:
+            async for chunk in self.store.live_schedules(self.settings.rebuild_batch):
+                written += await self._write_entries(chunk)
+                metrics.REBUILD_PROGRESS.set(written)
+                if written and written % 100_000 < len(chunk):
+                    log.info(
+                        "rebuild progress",
+                        extra={"action": "rebuild_progress", "schedules": written},
+                    )
+            await self.index.client.set(self.index.keys.epoch, str(self.now_ms()))
+        finally:
+            metrics.REBUILD_RUNNING.set(0)
+            metrics.REBUILD_PROGRESS.set(0)
+        duration = time.monotonic() - started
+        metrics.REBUILDS.inc()
+        metrics.REBUILD_DURATION.set(duration)
+        metrics.INDEX_EPOCH_PRESENT.set(1)
+        log.warning(
+            "index rebuilt",
+            extra={
+                "action": "rebuild_done",
+                "schedules": written,
+                "duration_s": round(duration, 3),
+            },
+        )
+        return written
+
+    async def _write_entries(self, rows: Sequence[LiveSchedule]) -> int:
+        now = self.now_ms()
+        entries = []
+        for row in rows:
+            entry = rotation.index_entry(
+                row.namespace,
+                row.id,
+                row.state,
+                row.compact,
+                row.fires,
+                row.last_fire_ms,
+                row.next_fire_ms,
+                now,
+            )
+            if entry is not None:
+                entries.append((self.index.shard_of(row.namespace, row.id), entry))
+        if entries:
+            await self.index.upsert(_group(entries))
+        return len(entries)
+
+    # --- drift --------------------------------------------------------------------------------
+
+    async def repair_drift(self) -> None:
+        """Re-index what PostgreSQL changed recently if Redis lags it (an intake that died
+        between its two writes); now and then, compare everything both ways."""
+        now = self.now_ms()
+        if now - self._last_drift_ms < self.settings.drift_check_interval_s * 1000:
+            return
+        since = (self._last_drift_ms or now) - DRIFT_OVERLAP_MS
+        self._last_drift_ms = now
+        if self.rebuilding is not None and not self.rebuilding.done():
+            return
+        await self.reconcile(await self.store.changed_schedules(since))
+        if time.monotonic() - self._last_full_drift >= self.settings.drift_full_interval_s:
+            self._last_full_drift = time.monotonic()
+            await self.full_drift_scan()
+
+    async def reconcile(self, rows: Sequence[LiveSchedule]) -> int:
+        """Bring the index in line with these PostgreSQL rows; returns the entries repaired."""
+        if not rows:
+            return 0
+        stored = await self._stored_plans([(r.namespace, r.id) for r in rows])
+        repairs: list[tuple[int, Upsert]] = []
+        removals: dict[int, list[tuple[str, int | None]]] = defaultdict(list)
+        for row in rows:
+            member = keys.member(row.namespace, row.id)
+            shard = self.index.shard_of(row.namespace, row.id)
+            old = stored.get(member)
+            if row.state == "deleted":
+                if old is not None:
+                    removals[shard].append((member, row.version))
+                    metrics.DRIFT_REPAIRED.labels("orphan").inc()
+                continue
+            if row.state not in ("active", "paused") or (
+                old is not None and compact.version_of(old) >= row.version
+            ):
+                continue
+            entry = rotation.index_entry(
+                row.namespace,
+                row.id,
+                row.state,
+                row.compact,
+                row.fires,
+                row.last_fire_ms,
+                row.next_fire_ms,
+                self.now_ms(),
+            )
+            if entry is None:
+                continue
+            if (
+                old is not None
+                and entry.mode == "keep"
+                and not same_rotation(compact.decode(old), compact.decode(row.compact))
+            ):
+                # The stored copy fires at other times: its rotation is replaced.
+                entry = dataclasses.replace(entry, mode="reset")
+            repairs.append((shard, entry))
+            metrics.DRIFT_REPAIRED.labels("missing" if old is None else "stale").inc()
+        if repairs:
+            await self.index.upsert(_group(repairs))
+        if removals:
+            await self.index.remove(dict(removals))
+        repaired = len(repairs) + sum(len(v) for v in removals.values())
+        if repaired:
+            log.warning(
+                "index drift repaired", extra={"action": "drift_repaired", "entries": repaired}
+            )
+        return repaired
+
+    async def _stored_plans(self, members: Sequence[tuple[str, str]]) -> dict[str, bytes]:
+        """The compact schedules the index holds for these members (absent ones left out)."""
+        pipe = self.index.client.pipeline(transaction=False)
+        names = [keys.member(ns, i) for ns, i in members]
+        for (ns, i), name in zip(members, names, strict=True):
+            pipe.hget(self.index.keys.sched(self.index.shard_of(ns, i)), name)
+        values = await pipe.execute()
+        return {name: value for name, value in zip(names, values, strict=True) if value is not None}
+
+    async def full_drift_scan(self) -> int:
+        """Every index entry checked against PostgreSQL, and every live row against the index."""
+        repaired = 0
+        async for chunk in self.store.live_schedules(self.settings.rebuild_batch):
+            repaired += await self.reconcile(chunk)
+        for shard in range(self.settings.shards):
+            repaired += await self._remove_orphans(shard)
+        return repaired
+
+    async def _remove_orphans(self, shard: int) -> int:
+        """Index entries with no live PostgreSQL row behind them are removed."""
+        removed = 0
+        cursor = 0
+        while True:
+            cursor, batch = await self.index.client.hscan(
+                self.index.keys.sched(shard), cursor, count=SCAN_BATCH
+            )
+            members = [m.decode() if isinstance(m, bytes) else m for m in batch]
+            if members:
+                pairs = [keys.split_member(m)[:2] for m in members]
+                rows = await self.store.schedule_versions(pairs)
+                live = {keys.member(r.namespace, r.id) for r in rows if r.state != "deleted"}
+                orphans: list[tuple[str, int | None]] = [
+                    (m, None) for m in members if m not in live
+                ]
+                if orphans:
+                    await self.index.remove({shard: orphans})
+                    metrics.DRIFT_REPAIRED.labels("orphan").inc(len(orphans))
+                    removed += len(orphans)
+            if cursor == 0:
+                return removed
+
+    # --- retention ----------------------------------------------------------------------------
+
+    async def keep_retention(self) -> None:
+        """Daily partitions ahead of time; whole partitions past retention dropped (hourly)."""
+        if time.monotonic() - self._last_retention < 3600 and self._last_retention:
+            return
+        self._last_retention = time.monotonic()
+        today = dt.datetime.fromtimestamp(self.clock(), dt.UTC).date()
+        async with self.store.pool.acquire() as conn:
+            await db.ensure_partitions(conn, today, self.settings.partitions_ahead_days)
+            dropped = await db.drop_partitions_before(
+                conn, today - dt.timedelta(days=self.settings.retention_days)
+            )
+        if dropped:
+            metrics.PARTITIONS_DROPPED.inc(len(dropped))
+            log.info(
+                "execution partitions dropped", extra={"action": "retention", "partitions": dropped}
+            )

@@ -1,0 +1,90 @@
+"""RabbitMQ: robust connections and the topology every service declares at start (idempotent)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+
+from shared import keys
+
+log = logging.getLogger(__name__)
+
+#: A delivery message redelivered more often than this is poison: it goes to the DLQ (its
+#: occurrences are still leased in Redis, so the sweeper publishes them again).
+DELIVERY_LIMIT = 20
+DELIVERIES_ROUTING_KEY = "deliver"
+
+
+async def connect(url: str, name: str) -> AbstractRobustConnection:
+    """A connection that reconnects by itself, named so operators can tell who is who."""
+    connection = await aio_pika.connect_robust(
+        url, client_properties={"connection_name": name}, timeout=10
+    )
+    return connection
+
+
+async def declare_topology(channel: AbstractChannel) -> None:
+    """Exchanges, queues, bindings and dead-letter queues; safe to run again and concurrently."""
+    dead = await channel.declare_exchange(
+        keys.DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
+    )
+    for queue in (keys.COMMANDS_QUEUE, keys.DELIVERIES_QUEUE):
+        dlq = await channel.declare_queue(
+            keys.dead_letter_queue(queue), durable=True, arguments={"x-queue-type": "quorum"}
+        )
+        await dlq.bind(dead, routing_key=keys.dead_letter_queue(queue))
+
+    commands = await channel.declare_exchange(
+        keys.COMMANDS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
+    )
+    commands_queue = await channel.declare_queue(
+        keys.COMMANDS_QUEUE,
+        durable=True,
+        arguments=keys.quorum_queue_arguments(keys.COMMANDS_QUEUE),
+    )
+    await commands_queue.bind(commands, routing_key="#")
+
+    deliveries = await channel.declare_exchange(
+        keys.DELIVERIES_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
+    )
+    deliveries_queue = await channel.declare_queue(
+        keys.DELIVERIES_QUEUE,
+        durable=True,
+        arguments=keys.quorum_queue_arguments(keys.DELIVERIES_QUEUE, delivery_limit=DELIVERY_LIMIT),
+    )
+    await deliveries_queue.bind(deliveries, routing_key=DELIVERIES_ROUTING_KEY)
+
+    await channel.declare_exchange(keys.EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
+
+
+async def ready_messages(channel: AbstractChannel, queue: str) -> int:
+    """Messages waiting (ready, not yet delivered to a consumer) in a queue."""
+    declared = await channel.declare_queue(queue, passive=True)
+    count = declared.declaration_result.message_count
+    return int(count or 0)
+
+
+async def dead_letter(
+    channel: AbstractChannel,
+    queue: str,
+    body: bytes,
+    reason: str,
+    properties: dict[str, Any] | None = None,
+) -> None:
+    """Put a message on ``queue``'s dead-letter queue with the reason in a header."""
+    exchange = await channel.get_exchange(keys.DEAD_LETTER_EXCHANGE, ensure=False)
+    headers = dict((properties or {}).get("headers") or {})
+    headers[keys.DEAD_REASON_HEADER] = reason[:1000]
+    message = aio_pika.Message(
+        body,
+        headers=headers,
+        content_type=(properties or {}).get("content_type"),
+        correlation_id=(properties or {}).get("correlation_id"),
+        reply_to=(properties or {}).get("reply_to"),
+        message_id=(properties or {}).get("message_id"),
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+    )
+    await exchange.publish(message, routing_key=keys.dead_letter_queue(queue))

@@ -1,0 +1,74 @@
+"""Coalescing many small requests into one batched round trip.
+
+Callers ``submit`` one item and await its own result; a background flush sends everything
+submitted in the last few milliseconds (or as soon as ``max_items`` are waiting) in one call.
+This is how per-occurrence work (begin, complete, retry) becomes one script call per shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+Flush = Callable[[Sequence[Item]], Awaitable[Sequence[Result]]]
+
+
+class Batcher(Generic[Item, Result]):
+    def __init__(
+        self, flush: Flush[Item, Result], *, max_delay_ms: float, max_items: int, name: str
+    ) -> None:
+        self._flush = flush
+        self._max_delay_s = max_delay_ms / 1000
+        self._max_items = max_items
+        self._name = name
+        self._items: list[Item] = []
+        self._futures: list[asyncio.Future[Result]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._running: set[asyncio.Task[None]] = set()
+
+    async def submit(self, item: Item) -> Result:
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self._items.append(item)
+        self._futures.append(future)
+        if len(self._items) >= self._max_items:
+            self._start_flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(
+                self._max_delay_s, self._start_flush
+            )
+        return await future
+
+    def _start_flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._items:
+            return
+        items, futures = self._items, self._futures
+        self._items, self._futures = [], []
+        task = asyncio.create_task(self._run(items, futures), name=f"{self._name}-flush")
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run(self, items: list[Item], futures: list[asyncio.Future[Result]]) -> None:
+        try:
+            results = await self._flush(items)
+        except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
+            for future in futures:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for future, result in zip(futures, results, strict=True):
+            if not future.done():
+                future.set_result(result)
+
+    async def drain(self) -> None:
+        """Flush what is waiting and wait for every flush in progress."""
+        self._start_flush()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._running, return_exceptions=True)

@@ -1,0 +1,86 @@
+"""The internal message on ``cronbus.deliveries``: many occurrences per message (pure).
+
+One AMQP message carries up to ``CRONBUS_DELIVERY_BATCH`` occurrences: publishing (and
+confirming) a message costs the same whatever it carries, so batching multiplies what one
+dispatcher can hand to the executors. Each occurrence keeps its own shard, token and
+attempt, so fencing and retries stay per occurrence.
+
+Wire form: ``{"v":1,"o":[[shard, member, token, fire_ms, nominal_ms, attempt, fires, plan],...]}``
+where ``plan`` is the compact schedule embedded as is (it is already JSON).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shared import codec, compact, keys
+from shared.index import Claimed
+from shared.plan import Plan
+
+VERSION = 1
+
+
+@dataclass(slots=True)
+class Occurrence:
+    shard: int
+    member: str
+    token: int
+    fire_ms: int
+    nominal_ms: int
+    attempt: int
+    fires: int
+    plan: Plan
+    namespace: str
+    id: str
+    #: The trigger time when this is a triggered run outside the rotation.
+    trigger_ms: int | None
+
+    @property
+    def is_trigger(self) -> bool:
+        return self.trigger_ms is not None
+
+
+def encode(items: Sequence[Claimed]) -> bytes:
+    parts = [
+        b"[%d,%s,%d,%d,%d,%d,%d,%s]"
+        % (
+            c.shard,
+            codec.dumps(c.member),
+            c.token,
+            c.fire_ms,
+            c.nominal_ms,
+            c.attempt,
+            c.fires,
+            c.plan,
+        )
+        for c in items
+    ]
+    return b'{"v":%d,"o":[' % VERSION + b",".join(parts) + b"]}"
+
+
+def _occurrence(row: list[Any]) -> Occurrence:
+    shard, member, token, fire_ms, nominal_ms, attempt, fires, plan = row
+    namespace, schedule_id, trigger_ms = keys.split_member(member)
+    return Occurrence(
+        shard,
+        member,
+        token,
+        fire_ms,
+        nominal_ms,
+        attempt,
+        fires,
+        compact.decode_object(plan),
+        namespace,
+        schedule_id,
+        trigger_ms,
+    )
+
+
+def decode(body: bytes) -> list[Occurrence]:
+    """Raises ValueError (or a subclass) when the body is not a delivery message."""
+    data = codec.loads(body)
+    if not isinstance(data, dict) or data.get("v") != VERSION:
+        raise ValueError("not a cronbus delivery message of a known version")
+    return [_occurrence(row) for row in data["o"]]

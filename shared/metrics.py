@@ -1,0 +1,104 @@
+"""Every Prometheus metric cronbus exports, declared once. Labels stay low-cardinality:
+never a schedule id or a namespace, only kinds, outcomes, verbs, shards and dependencies."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+#: Seconds; fire lateness spans milliseconds (steady state) to minutes (outage recovery).
+LATENESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+# --- dispatcher ---------------------------------------------------------------------------
+CLAIMED = Counter("cronbus_claimed_total", "Occurrences claimed from the due index.")
+PUBLISHED = Counter(
+    "cronbus_published_total", "Occurrences published to cronbus.deliveries (confirmed)."
+)
+DELIVERY_MESSAGES = Counter(
+    "cronbus_delivery_messages_total", "Messages published to cronbus.deliveries (confirmed)."
+)
+PUBLISH_FAILURES = Counter(
+    "cronbus_publish_failures_total", "Occurrences whose publish failed and were released."
+)
+ORPHANS = Counter(
+    "cronbus_orphans_total", "Due entries dropped because their schedule no longer exists."
+)
+BACKPRESSURE = Gauge(
+    "cronbus_backpressure", "1 while claiming is paused because cronbus.deliveries is too full."
+)
+DELIVERIES_READY = Gauge(
+    "cronbus_deliveries_ready", "Ready messages in cronbus.deliveries at the last check."
+)
+DUE_BACKLOG = Gauge(
+    "cronbus_due_backlog", "Occurrences due now or earlier still waiting in a shard.", ["shard"]
+)
+SHARDS_OWNED = Gauge("cronbus_shards_owned", "Shards this dispatcher claims from.")
+
+# --- intake -------------------------------------------------------------------------------
+COMMANDS = Counter(
+    "cronbus_commands_total", "Commands handled, by verb and outcome.", ["verb", "outcome"]
+)
+DEAD_LETTERED = Counter(
+    "cronbus_dead_lettered_total", "Messages sent to a dead-letter queue.", ["queue"]
+)
+
+# --- executor -----------------------------------------------------------------------------
+DELIVERED = Counter(
+    "cronbus_delivered_total",
+    "Delivery attempts by target kind and outcome (succeeded, failed, dead).",
+    ["target", "outcome"],
+)
+RETRIES = Counter("cronbus_retries_total", "Occurrences put back for another attempt.")
+DEAD = Counter("cronbus_dead_total", "Occurrences that failed every attempt.")
+STALE = Counter(
+    "cronbus_stale_total",
+    "Occurrences skipped because their token was no longer current, by stage.",
+    ["stage"],
+)
+MISFIRES = Counter(
+    "cronbus_misfires_total", "Missed occurrences handled by their misfire policy.", ["policy"]
+)
+FIRE_LATENESS = Histogram(
+    "cronbus_fire_lateness_seconds",
+    "Start of an occurrence's first delivery attempt minus its nominal fire time.",
+    buckets=LATENESS_BUCKETS,
+)
+DELIVERY_DURATION = Histogram(
+    "cronbus_delivery_duration_seconds",
+    "Time one delivery attempt took, by target kind.",
+    ["target"],
+    buckets=DURATION_BUCKETS,
+)
+IN_FLIGHT = Gauge("cronbus_deliveries_in_flight", "Deliveries in progress in this executor.")
+AUDIT_BUFFERED = Gauge(
+    "cronbus_audit_buffered_rows", "Execution rows waiting to be written to PostgreSQL."
+)
+AUDIT_WRITTEN = Counter("cronbus_audit_rows_written_total", "Execution rows written.")
+EVENTS = Counter("cronbus_events_total", "Events published to cronbus.events.", ["outcome"])
+
+# --- sweeper ------------------------------------------------------------------------------
+RECLAIMED = Counter("cronbus_reclaimed_total", "Expired leases put back into due.")
+REBUILDS = Counter("cronbus_rebuilds_total", "Index rebuilds from PostgreSQL completed.")
+REBUILD_PROGRESS = Gauge(
+    "cronbus_rebuild_schedules", "Schedules written by the rebuild in progress (0 when idle)."
+)
+REBUILD_DURATION = Gauge(
+    "cronbus_rebuild_duration_seconds", "How long the last completed rebuild took."
+)
+REBUILD_RUNNING = Gauge("cronbus_rebuild_running", "1 while a rebuild is in progress.")
+INDEX_EPOCH_PRESENT = Gauge(
+    "cronbus_index_epoch_present", "1 when the index is complete (cronbus:meta:epoch is set)."
+)
+DRIFT_REPAIRED = Counter(
+    "cronbus_drift_repaired_total",
+    "Index entries repaired from PostgreSQL, by kind (stale, missing, orphan).",
+    ["kind"],
+)
+PARTITIONS_DROPPED = Counter(
+    "cronbus_partitions_dropped_total", "Execution partitions dropped by retention."
+)
+
+# --- every service ------------------------------------------------------------------------
+DEPENDENCY_UP = Gauge(
+    "cronbus_dependency_up", "1 when the dependency answered its last check.", ["dependency"]
+)

@@ -1,0 +1,135 @@
+"""Where a schedule's rotation stands after a command, a rebuild or a resume (pure).
+
+The intake, the sweeper and the executor all place a schedule's next occurrence with these
+functions, so a schedule behaves the same whichever path put it back into the index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from shared import compact, keys, schedule
+from shared.index import Upsert, UpsertMode, resting_occ_state
+from shared.plan import Plan, same_rotation
+
+State = Literal["active", "paused", "completed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Current:
+    """What PostgreSQL holds for a schedule before the change."""
+
+    plan: Plan
+    state: str
+    fires: int
+    last_fire_ms: int | None
+    next_fire_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    state: State
+    #: How to write the index; None: leave the index alone (nothing to fire).
+    mode: UpsertMode | None
+    #: The next nominal fire time (None: the schedule has no more).
+    next_nominal: int | None
+    fires: int
+    last_fire_ms: int | None
+
+
+def fresh_start(plan: Plan, now_ms: int) -> int | None:
+    """The first occurrence of a new (or changed) rotation, misfire policy applied."""
+    return schedule.resolve_due(plan, schedule.first_nominal(plan, now_ms), now_ms)
+
+
+def continuation(plan: Plan, fires: int, last_fire_ms: int | None, now_ms: int) -> int | None:
+    """Where a rotation picks up after a pause or an outage: the rule's next time after the
+    last fire, with the misfire policy deciding what to do about the times missed meanwhile."""
+    if schedule.is_exhausted(plan, fires):
+        return None
+    if last_fire_ms is None:
+        return fresh_start(plan, now_ms)
+    candidate = schedule.following(plan, last_fire_ms, now_ms)
+    return schedule.resolve_due(plan, candidate, now_ms)
+
+
+def _finished_or(
+    state: State, mode: UpsertMode, next_nominal: int | None, fires: int, last_fire_ms: int | None
+) -> Placement:
+    if next_nominal is None and state == "active":
+        return Placement("completed", None, None, fires, last_fire_ms)
+    return Placement(state, mode, next_nominal, fires, last_fire_ms)
+
+
+def place_upsert(current: Current | None, plan: Plan, paused: bool, now_ms: int) -> Placement:
+    """Create, or replace, a schedule. A replacement that keeps the fire times (same rule,
+    window, count and jitter) keeps its rotation, fire count and checkpoint; any other
+    replacement starts a new rotation from now."""
+    live = current is not None and current.state in ("active", "paused", "completed")
+    if current is None or not live or not same_rotation(current.plan, plan):
+        if paused:
+            return Placement("paused", "park", None, 0, None)
+        return _finished_or("active", "reset", fresh_start(plan, now_ms), 0, None)
+    fires, last = current.fires, current.last_fire_ms
+    if paused:
+        return Placement("paused", "park", None, fires, last)
+    if current.state == "completed":
+        return Placement("completed", None, None, fires, last)
+    if current.state == "paused":
+        return _finished_or("active", "reset", continuation(plan, fires, last, now_ms), fires, last)
+    pending = current.next_fire_ms
+    next_nominal = (
+        schedule.resolve_due(plan, pending, now_ms)
+        if pending is not None
+        else continuation(plan, fires, last, now_ms)
+    )
+    return _finished_or("active", "keep", next_nominal, fires, last)
+
+
+def place_resume(current: Current, now_ms: int) -> Placement:
+    """A paused schedule goes back into rotation where it left off (misfire policy applied)."""
+    return _finished_or(
+        "active",
+        "reset",
+        continuation(current.plan, current.fires, current.last_fire_ms, now_ms),
+        current.fires,
+        current.last_fire_ms,
+    )
+
+
+def place_pause(current: Current) -> Placement:
+    return Placement("paused", "park", None, current.fires, current.last_fire_ms)
+
+
+def index_entry(
+    namespace: str,
+    schedule_id: str,
+    state: str,
+    raw_plan: bytes,
+    fires: int,
+    last_fire_ms: int | None,
+    next_fire_ms: int | None,
+    now_ms: int,
+) -> Upsert | None:
+    """The index write that restores one schedule from its PostgreSQL row (rebuild, drift).
+
+    The rotation continues from the checkpoint: the stored next fire if there is one, else the
+    rule's next time after the last fire; the misfire policy decides about what was missed
+    while the index was gone. 'keep' leaves a rotation that survived in Redis alone.
+    """
+    member = keys.member(namespace, schedule_id)
+    plan = compact.decode(raw_plan)
+    if state == "paused":
+        return Upsert(member, plan.version, raw_plan, "park", None)
+    if state != "active":
+        return None
+    if next_fire_ms is not None and not schedule.is_exhausted(plan, fires):
+        nominal = schedule.resolve_due(plan, next_fire_ms, now_ms)
+    else:
+        nominal = continuation(plan, fires, last_fire_ms, now_ms)
+    if nominal is None:
+        return None
+    fire = schedule.fire_at_ms(plan, member, nominal)
+    occ = resting_occ_state(nominal, fire, fires, plan.max_fires is not None)
+    return Upsert(member, plan.version, raw_plan, "keep", fire, occ)

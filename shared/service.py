@@ -1,0 +1,192 @@
+"""The run-loop shape every service shares: signals, named side tasks, health, metrics.
+
+A service runs until SIGTERM (or SIGINT), then stops taking new work, finishes or hands back
+what it holds within ``shutdown_grace_s``, and exits. If one of its named tasks dies, the
+service stops and exits non-zero so that its supervisor (Kubernetes) restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
+
+import prometheus_client
+from aiohttp import web
+
+from shared import codec, logs, metrics
+from shared.config import CommonSettings
+
+log = logging.getLogger(__name__)
+
+Check = Callable[[], Awaitable[object]]
+
+
+class Service(Protocol):
+    name: str
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Work until ``stopping`` is set, then finish or hand back what is held."""
+
+    def readiness(self) -> dict[str, bool]:
+        """Each dependency (or state) the service needs to do useful work: whether it has it."""
+
+    def alive(self) -> bool:
+        """False when a task the service depends on died: /healthz fails, the process exits 1."""
+
+
+class Dependencies:
+    """Checks each dependency every few seconds; /readyz and a gauge report the results."""
+
+    def __init__(
+        self, checks: dict[str, Check], interval_s: float = 2.0, timeout_s: float = 2.0
+    ) -> None:
+        self.checks = checks
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.status = dict.fromkeys(checks, False)
+
+    async def check_once(self) -> None:
+        for name, check in self.checks.items():
+            try:
+                await asyncio.wait_for(check(), self.timeout_s)
+                up = True
+            except Exception as exc:  # noqa: BLE001 - any failure means "down"
+                up = False
+                if self.status.get(name, True):
+                    log.warning(
+                        "dependency down",
+                        extra={"action": "dependency_down", "dependency": name, "error": repr(exc)},
+                    )
+            if up and not self.status.get(name, False):
+                log.info("dependency up", extra={"action": "dependency_up", "dependency": name})
+            self.status[name] = up
+            metrics.DEPENDENCY_UP.labels(name).set(1 if up else 0)
+
+    async def watch(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            await self.check_once()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), self.interval_s)
+
+
+class Tasks:
+    """Named side tasks; the first one to die unexpectedly stops the service."""
+
+    def __init__(self, stopping: asyncio.Event) -> None:
+        self.stopping = stopping
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
+        self.failed: str | None = None
+
+    def start(self, name: str, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coroutine, name=name)
+        self.tasks[name] = task
+        task.add_done_callback(self._on_done)
+        return task
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or self.stopping.is_set():
+            return
+        error = task.exception()
+        self.failed = task.get_name()
+        log.error(
+            "task stopped unexpectedly; stopping the service",
+            extra={
+                "action": "task_died",
+                "task": task.get_name(),
+                "error": repr(error) if error else None,
+            },
+            exc_info=error,
+        )
+        self.stopping.set()
+
+    def alive(self) -> bool:
+        return self.failed is None
+
+    async def wait_all(self, timeout_s: float) -> None:
+        """Wait for the tasks to end by themselves, then cancel what is left."""
+        pending = [t for t in self.tasks.values() if not t.done()]
+        if pending:
+            _, still = await asyncio.wait(pending, timeout=timeout_s)
+            for task in still:
+                task.cancel()
+            if still:
+                await asyncio.wait(still, timeout=5)
+
+
+def _health_app(service: Service) -> web.Application:
+    async def metrics_view(_: web.Request) -> web.Response:
+        return web.Response(
+            body=prometheus_client.generate_latest(),
+            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},
+        )
+
+    async def health_view(_: web.Request) -> web.Response:
+        alive = service.alive()
+        return web.Response(status=200 if alive else 500, text="ok" if alive else "task died")
+
+    async def ready_view(_: web.Request) -> web.Response:
+        status = service.readiness()
+        ready = all(status.values())
+        return web.Response(
+            status=200 if ready else 503,
+            content_type="application/json",
+            body=codec.dumps({"ready": ready, **status}),
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_view)
+    app.router.add_get("/healthz", health_view)
+    app.router.add_get("/readyz", ready_view)
+    return app
+
+
+async def _start_http(app: web.Application, port: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "0.0.0.0", port, reuse_address=True)
+    await site.start()
+    bound = port
+    server = site._server
+    if port == 0 and server is not None and server.sockets:  # type: ignore[attr-defined]
+        bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    return runner, bound
+
+
+async def serve(service: Service, settings: CommonSettings) -> int:
+    """Run ``service`` with its health server until a signal (or a dead task) stops it."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    runner, port = await _start_http(_health_app(service), settings.metrics_port)
+    log.info("service starting", extra={"action": "service_starting", "metrics_port": port})
+    started = time.monotonic()
+    try:
+        await service.run(stopping)
+    finally:
+        await runner.cleanup()
+    log.info(
+        "service stopped",
+        extra={"action": "service_stopped", "uptime_s": round(time.monotonic() - started, 1)},
+    )
+    return 0 if service.alive() else 1
+
+
+def main(name: str, service: Service, settings: CommonSettings) -> None:
+    """Entry point of ``python -m services.<name>``: logging, uvloop, run, exit status."""
+    logs.setup(settings.log_level, settings.log_format, service=name)
+    try:
+        import uvloop  # noqa: PLC0415 - optional speed-up
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        runner = asyncio.Runner()
+    with runner:
+        code = runner.run(serve(service, settings))
+    sys.exit(code)

@@ -1,0 +1,328 @@
+"""PostgreSQL, the source of truth: schedules, the command audit, executions and checkpoints.
+
+Only this module runs queries (all of them named, in ``shared/sql/queries.sql``). Writes on
+the firing path (executions, checkpoints) always go in batches: one statement per batch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+from shared import codec, timefmt
+from shared.errors import StoreError
+from shared.sql import QUERIES
+
+#: A connection, pooled or not.
+Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+
+
+def _ms(value: dt.datetime | None) -> int | None:
+    return None if value is None else timefmt.datetime_to_ms(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRow:
+    namespace: str
+    id: str
+    version: int
+    state: str
+    definition: dict[str, Any]
+    compact: bytes
+    priority: int
+    labels: dict[str, str]
+    fires: int
+    last_fire_ms: int | None
+    next_fire_ms: int | None
+    created_ms: int
+    updated_ms: int
+
+    @classmethod
+    def of(cls, record: asyncpg.Record) -> ScheduleRow:
+        return cls(
+            namespace=record["namespace"],
+            id=record["id"],
+            version=record["version"],
+            state=record["state"],
+            definition=record["definition"],
+            compact=bytes(record["compact"]),
+            priority=record["priority"],
+            labels=record["labels"],
+            fires=record["fires"],
+            last_fire_ms=_ms(record["last_fire_at"]),
+            next_fire_ms=_ms(record["next_fire_at"]),
+            created_ms=_ms(record["created_at"]) or 0,
+            updated_ms=_ms(record["updated_at"]) or 0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NewScheduleRow:
+    namespace: str
+    id: str
+    version: int
+    state: str
+    definition: dict[str, Any]
+    compact: bytes
+    priority: int
+    labels: dict[str, str]
+    fires: int = 0
+    last_fire_ms: int | None = None
+    next_fire_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommandAudit:
+    namespace: str | None
+    verb: str | None
+    schedule_id: str | None
+    outcome: str
+    body: Any = None
+    error: dict[str, Any] | None = None
+    version: int | None = None
+    user_id: str | None = None
+    app_id: str | None = None
+    message_id: str | None = None
+    correlation_id: str | None = None
+
+
+@dataclass(slots=True)
+class ExecutionRow:
+    namespace: str
+    id: str
+    nominal_ms: int
+    is_trigger: bool
+    attempts: int
+    #: succeeded | retrying | dead | skipped
+    status: str
+    http_status: int | None
+    error: str | None
+    idempotency_key: str
+    started_ms: int
+    finished_ms: int
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    namespace: str
+    id: str
+    last_fire_ms: int
+    next_fire_ms: int | None
+    fires: int
+    finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSchedule:
+    """What a rebuild (or drift repair) needs of one schedule."""
+
+    namespace: str
+    id: str
+    version: int
+    state: str
+    compact: bytes
+    fires: int
+    last_fire_ms: int | None
+    next_fire_ms: int | None
+
+    @classmethod
+    def of(cls, record: asyncpg.Record) -> LiveSchedule:
+        return cls(
+            record["namespace"],
+            record["id"],
+            record["version"],
+            record["state"],
+            bytes(record["compact"]),
+            record["fires"],
+            record["last_fire_ms"],
+            record["next_fire_ms"],
+        )
+
+
+async def _init_connection(conn: Connection) -> None:
+    for kind in ("json", "jsonb"):
+        await conn.set_type_codec(
+            kind,
+            encoder=lambda value: codec.dumps(value).decode(),
+            decoder=codec.loads,
+            schema="pg_catalog",
+        )
+
+
+@dataclass
+class Store:
+    pool: asyncpg.Pool
+
+    @classmethod
+    async def open(cls, url: str, *, min_size: int = 1, max_size: int = 8) -> Store:
+        pool = await asyncpg.create_pool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            init=_init_connection,
+            command_timeout=30,
+        )
+        assert pool is not None
+        return cls(pool)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def ping(self) -> None:
+        await self.pool.fetchval("SELECT 1")
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Connection]:
+        async with self.pool.acquire() as conn, conn.transaction():
+            yield conn
+
+    # --- schedules ----------------------------------------------------------------------------
+
+    async def lock_schedule(
+        self, conn: Connection, namespace: str, schedule_id: str
+    ) -> ScheduleRow | None:
+        record = await conn.fetchrow(QUERIES["lock_schedule"], namespace, schedule_id)
+        return None if record is None else ScheduleRow.of(record)
+
+    async def get_schedule(self, namespace: str, schedule_id: str) -> ScheduleRow | None:
+        record = await self.pool.fetchrow(QUERIES["get_schedule"], namespace, schedule_id)
+        return None if record is None else ScheduleRow.of(record)
+
+    async def put_schedule(self, conn: Connection, row: NewScheduleRow) -> ScheduleRow:
+        record = await conn.fetchrow(
+            QUERIES["put_schedule"],
+            row.namespace,
+            row.id,
+            row.version,
+            row.state,
+            row.definition,
+            row.compact,
+            row.priority,
+            row.labels,
+            row.fires,
+            row.last_fire_ms,
+            row.next_fire_ms,
+        )
+        if record is None:
+            raise StoreError("put_schedule returned no row")
+        return ScheduleRow.of(record)
+
+    async def list_schedules(
+        self,
+        namespace: str,
+        *,
+        state: str | None,
+        labels: dict[str, str],
+        after_id: str,
+        limit: int,
+    ) -> list[ScheduleRow]:
+        records = await self.pool.fetch(
+            QUERIES["list_schedules"], namespace, state, labels, after_id, limit
+        )
+        return [ScheduleRow.of(record) for record in records]
+
+    async def record_command(self, audit: CommandAudit, conn: Connection | None = None) -> None:
+        target: Any = conn if conn is not None else self.pool
+        await target.execute(
+            QUERIES["record_command"],
+            audit.namespace,
+            audit.verb,
+            audit.schedule_id,
+            audit.user_id,
+            audit.app_id,
+            audit.message_id,
+            audit.correlation_id,
+            audit.body,
+            audit.outcome,
+            audit.error,
+            audit.version,
+        )
+
+    # --- the firing path (batched) ------------------------------------------------------------
+
+    async def write_executions(self, rows: Sequence[ExecutionRow]) -> None:
+        """One statement for the whole batch; the latest attempt of an occurrence wins."""
+        latest: dict[tuple[str, str, int], ExecutionRow] = {}
+        for row in rows:
+            key = (row.namespace, row.id, row.nominal_ms)
+            kept = latest.get(key)
+            if kept is None or kept.attempts <= row.attempts:
+                latest[key] = row
+        batch = list(latest.values())
+        await self.pool.execute(
+            QUERIES["write_executions"],
+            [r.namespace for r in batch],
+            [r.id for r in batch],
+            [r.nominal_ms for r in batch],
+            [r.is_trigger for r in batch],
+            [r.attempts for r in batch],
+            [r.status for r in batch],
+            [r.http_status for r in batch],
+            [r.error for r in batch],
+            [r.idempotency_key for r in batch],
+            [r.started_ms for r in batch],
+            [r.finished_ms for r in batch],
+        )
+
+    async def write_checkpoints(self, rows: Sequence[Checkpoint]) -> None:
+        latest: dict[tuple[str, str], Checkpoint] = {}
+        for row in rows:
+            key = (row.namespace, row.id)
+            kept = latest.get(key)
+            if kept is None or kept.last_fire_ms <= row.last_fire_ms:
+                latest[key] = row
+        batch = list(latest.values())
+        await self.pool.execute(
+            QUERIES["write_checkpoints"],
+            [c.namespace for c in batch],
+            [c.id for c in batch],
+            [c.last_fire_ms for c in batch],
+            [c.next_fire_ms for c in batch],
+            [c.fires for c in batch],
+            [c.finished for c in batch],
+        )
+
+    async def recent_executions(
+        self, namespace: str, schedule_id: str, limit: int
+    ) -> list[dict[str, Any]]:
+        records = await self.pool.fetch(QUERIES["recent_executions"], namespace, schedule_id, limit)
+        return [dict(record) for record in records]
+
+    async def live_schedules(self, batch: int) -> AsyncIterator[list[LiveSchedule]]:
+        """Every active or paused schedule, highest priority first, ``batch`` rows at a time."""
+        async with self.pool.acquire() as conn, conn.transaction(readonly=True):
+            cursor = conn.cursor(QUERIES["live_schedules"], prefetch=batch)
+            chunk: list[LiveSchedule] = []
+            async for record in cursor:
+                chunk.append(
+                    LiveSchedule(
+                        record["namespace"],
+                        record["id"],
+                        record["version"],
+                        record["state"],
+                        bytes(record["compact"]),
+                        record["fires"],
+                        record["last_fire_ms"],
+                        record["next_fire_ms"],
+                    )
+                )
+                if len(chunk) >= batch:
+                    yield chunk
+                    chunk = []
+            if chunk:
+                yield chunk
+
+    async def changed_schedules(self, since_ms: int) -> list[LiveSchedule]:
+        records = await self.pool.fetch(QUERIES["changed_schedules"], since_ms)
+        return [LiveSchedule.of(record) for record in records]
+
+    async def schedule_versions(self, members: Sequence[tuple[str, str]]) -> list[LiveSchedule]:
+        records = await self.pool.fetch(
+            QUERIES["schedule_versions"], [ns for ns, _ in members], [i for _, i in members]
+        )
+        return [LiveSchedule.of(record) for record in records]
