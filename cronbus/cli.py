@@ -12,19 +12,24 @@ import os
 import runpy
 import sys
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 from cronbus import commands, dev
 from cronbus import preview as preview_cmd
 from cronbus.common import CliError
 
 Handler = Callable[[argparse.Namespace], int]
-Subparsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 SERVICES = ("dispatcher", "executor", "sweeper")
 
 
 def _with_namespace(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--namespace", default=os.environ.get("CRONBUS_NAMESPACE", "default"),
-                   help="namespace of the schedules (default: $CRONBUS_NAMESPACE or 'default')")
+    p.add_argument(
+        "-n",
+        "--namespace",
+        default=os.environ.get("CRONBUS_NAMESPACE", "default"),
+        help="namespace of the schedules (default: $CRONBUS_NAMESPACE or 'default')",
+    )
     p.add_argument("--timeout", type=float, default=30, help="seconds to wait for the reply")
 
 
@@ -33,11 +38,13 @@ def _add_commands(sub: Subparsers) -> None:
     p.add_argument("-f", "--file", required=True, help="file of one or many schedules ('-': stdin)")
     _with_namespace(p)
     p.set_defaults(handler=commands.run_apply)
-    for verb, text in (("get", "show a schedule with its next fire times"),
-                       ("pause", "stop a schedule firing (it keeps its place)"),
-                       ("resume", "let a paused schedule fire again (misfire policy applies)"),
-                       ("delete", "delete a schedule"),
-                       ("trigger", "fire a schedule once now, outside its rotation")):
+    for verb, text in (
+        ("get", "show a schedule with its next fire times"),
+        ("pause", "stop a schedule firing (it keeps its place)"),
+        ("resume", "let a paused schedule fire again (misfire policy applies)"),
+        ("delete", "delete a schedule"),
+        ("trigger", "fire a schedule once now, outside its rotation"),
+    ):
         p = sub.add_parser(verb, help=text)
         p.add_argument("id", help="schedule id")
         _with_namespace(p)
@@ -74,10 +81,15 @@ def _add_operations(sub: Subparsers) -> None:
     p.add_argument("service", choices=SERVICES)
     p.set_defaults(handler=_run_service)
     p = sub.add_parser("dev", help="run migrations and all three services locally")
-    p.add_argument("--demo", action="store_true",
-                   help="also start a printing sink and register demo schedules")
-    p.add_argument("--port-base", type=int, default=9101,
-                   help="metrics ports: dispatcher, executor, sweeper from here (default 9101)")
+    p.add_argument(
+        "--demo", action="store_true", help="also start a printing sink and register demo schedules"
+    )
+    p.add_argument(
+        "--port-base",
+        type=int,
+        default=9101,
+        help="metrics ports: dispatcher, executor, sweeper from here (default 9101)",
+    )
     p.add_argument("--sink-port", type=int, default=8099, help="demo sink port (default 8099)")
     p.add_argument("--status-every", type=float, default=1.0, help="seconds between status lines")
     p.set_defaults(handler=dev.run)
@@ -95,8 +107,9 @@ def _migrate(args: argparse.Namespace) -> int:
 
     settings = SweeperSettings()
     try:
-        applied = asyncio.run(db.migrate(settings.database_url,
-                                         partitions_ahead_days=settings.partitions_ahead_days))
+        applied = asyncio.run(
+            db.migrate(settings.database_url, partitions_ahead_days=settings.partitions_ahead_days)
+        )
     except transient.ERRORS as exc:
         raise CliError(f"cannot reach PostgreSQL: {exc}") from None
     print("applied: " + ", ".join(applied) if applied else "up to date")
@@ -110,8 +123,9 @@ def _run_service(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cronbus", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="cronbus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_commands(sub)
     _add_preview(sub)

@@ -69,11 +69,12 @@ async def _send_all(args: argparse.Namespace, verb: str, bodies: list[dict[str, 
         async with CommandClient(amqp_url(), app_id="cronbus-cli") as client:
             for body in bodies:
                 try:
-                    reply = await client.send(args.namespace, verb, body,
-                                              timeout_s=args.timeout)
+                    reply = await client.send(args.namespace, verb, body, timeout_s=args.timeout)
                 except TimeoutError:
-                    raise CliError(f"no reply within {args.timeout:g}s: is a dispatcher "
-                                   "running against this RabbitMQ?") from None
+                    raise CliError(
+                        f"no reply within {args.timeout:g}s: is a dispatcher "
+                        "running against this RabbitMQ?"
+                    ) from None
                 _print(reply)
                 if not reply.get("ok"):
                     failures += 1
@@ -134,8 +135,10 @@ def run_executions(args: argparse.Namespace) -> int:
     for row in rows:
         fire = timefmt.format_ms(timefmt.datetime_to_ms(row["nominal_at"]))
         kind = "*" if row["is_trigger"] else " "
-        print(f"{fire:23}{kind} {row['status']:10} {row['attempts']:>3} "
-              f"{row['http_status'] or '':>4} {row['lateness_ms']:>8}  {row['error'] or ''}")
+        print(
+            f"{fire:23}{kind} {row['status']:10} {row['attempts']:>3} "
+            f"{row['http_status'] or '':>4} {row['lateness_ms']:>8}  {row['error'] or ''}"
+        )
     return 0
 
 

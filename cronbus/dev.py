@@ -39,8 +39,9 @@ class Child:
 
     def get(self, path: str) -> tuple[int, str]:
         try:
-            with urllib.request.urlopen(  # noqa: S310 - our own loopback port
-                    f"http://127.0.0.1:{self.port}{path}", timeout=1) as response:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.port}{path}", timeout=1
+            ) as response:
                 return int(response.status), response.read().decode()
         except OSError as exc:
             return int(getattr(exc, "code", 0) or 0), ""
@@ -49,25 +50,39 @@ class Child:
 def demo_schedules(sink_url: str, now_ms: int) -> list[dict[str, Any]]:
     hook = {"kind": "webhook", "url": f"{sink_url}/demo"}
     return [
-        {"id": "every-5s", "spec": {"kind": "interval", "every_s": 5},
-         "target": {**hook, "body": {"hello": "every 5 seconds"}}},
-        {"id": "cron-every-10s", "spec": {"kind": "cron", "expr": "*/10 * * * * *"},
-         "target": {**hook, "body": {"hello": "cron, seconds first"}}},
-        {"id": "once-in-15s",
-         "spec": {"kind": "once", "at": timefmt.format_ms(now_ms - now_ms % 1000 + 15_000)},
-         "target": {**hook, "body": {"hello": "just once"}}},
-        {"id": "flaky", "spec": {"kind": "interval", "every_s": 20},
-         "target": {"kind": "webhook", "url": f"{sink_url}/flaky"},
-         "retry": {"max_attempts": 3, "initial_backoff_s": 1}},
+        {
+            "id": "every-5s",
+            "spec": {"kind": "interval", "every_s": 5},
+            "target": {**hook, "body": {"hello": "every 5 seconds"}},
+        },
+        {
+            "id": "cron-every-10s",
+            "spec": {"kind": "cron", "expr": "*/10 * * * * *"},
+            "target": {**hook, "body": {"hello": "cron, seconds first"}},
+        },
+        {
+            "id": "once-in-15s",
+            "spec": {"kind": "once", "at": timefmt.format_ms(now_ms - now_ms % 1000 + 15_000)},
+            "target": {**hook, "body": {"hello": "just once"}},
+        },
+        {
+            "id": "flaky",
+            "spec": {"kind": "interval", "every_s": 20},
+            "target": {"kind": "webhook", "url": f"{sink_url}/flaky"},
+            "retry": {"max_attempts": 3, "initial_backoff_s": 1},
+        },
     ]
 
 
 def _print_delivery(request: Received) -> None:
     late = request.at_ms - timefmt.parse_rfc3339_ms(request.fire_time) if request.fire_time else 0
     _clear_status()
-    print(f"delivery  {request.schedule:24} fire {request.fire_time}  "
-          f"attempt {request.attempt}  late {late:.0f} ms  key {request.key[:8]}…  "
-          f"{request.body.decode(errors='replace')}", flush=True)
+    print(
+        f"delivery  {request.schedule:24} fire {request.fire_time}  "
+        f"attempt {request.attempt}  late {late:.0f} ms  key {request.key[:8]}…  "
+        f"{request.body.decode(errors='replace')}",
+        flush=True,
+    )
 
 
 def _flaky(request: Received) -> int:
@@ -106,8 +121,9 @@ def _samples(text: str) -> dict[str, float]:
 
 def _quantile(samples: dict[str, float], q: float) -> float | None:
     prefix = "cronbus_fire_lateness_seconds_bucket,le="
-    buckets = sorted((float(k[len(prefix):]), v) for k, v in samples.items()
-                     if k.startswith(prefix))
+    buckets = sorted(
+        (float(k[len(prefix) :]), v) for k, v in samples.items() if k.startswith(prefix)
+    )
     total = buckets[-1][1] if buckets else 0
     if not total:
         return None
@@ -123,23 +139,36 @@ def status_line(children: list[Child]) -> str:
     dispatcher_metrics: dict[str, float] = {}
     for child in children:
         code, _ = child.get("/readyz")
-        state = "ready" if code == 200 else ("down" if child.popen.poll() is not None
-                                             else "starting")
+        state = (
+            "ready" if code == 200 else ("down" if child.popen.poll() is not None else "starting")
+        )
         parts.append(f"{child.name} {state}")
         if child.name in ("executor", "dispatcher") and code:
             _, text = child.get("/metrics")
             target = executor_metrics if child.name == "executor" else dispatcher_metrics
             target.update(_samples(text))
-    ok = sum(v for k, v in executor_metrics.items()
-             if k.startswith("cronbus_delivered_total") and "outcome=succeeded" in k)
-    failed = sum(v for k, v in executor_metrics.items()
-                 if k.startswith("cronbus_delivered_total") and "outcome=succeeded" not in k)
+    ok = sum(
+        v
+        for k, v in executor_metrics.items()
+        if k.startswith("cronbus_delivered_total") and "outcome=succeeded" in k
+    )
+    failed = sum(
+        v
+        for k, v in executor_metrics.items()
+        if k.startswith("cronbus_delivered_total") and "outcome=succeeded" not in k
+    )
     backlog = sum(v for k, v in dispatcher_metrics.items() if k.startswith("cronbus_due_backlog"))
     p50, p99 = _quantile(executor_metrics, 0.5), _quantile(executor_metrics, 0.99)
-    late = "" if p50 is None or p99 is None else (
-        f" | lateness p50 ≤{p50 * 1000:.0f}ms p99 ≤{p99 * 1000:.0f}ms")
-    return (f"{time.strftime('%H:%M:%S')} " + " | ".join(parts)
-            + f" | delivered ok {ok:.0f} failed {failed:.0f}{late} | due backlog {backlog:.0f}")
+    late = (
+        ""
+        if p50 is None or p99 is None
+        else (f" | lateness p50 ≤{p50 * 1000:.0f}ms p99 ≤{p99 * 1000:.0f}ms")
+    )
+    return (
+        f"{time.strftime('%H:%M:%S')} "
+        + " | ".join(parts)
+        + f" | delivered ok {ok:.0f} failed {failed:.0f}{late} | due backlog {backlog:.0f}"
+    )
 
 
 def _start(name: str, port: int, env: dict[str, str]) -> Child:
@@ -147,9 +176,16 @@ def _start(name: str, port: int, env: dict[str, str]) -> Child:
     log = (LOG_DIR / f"{name}.log").open("ab")
     popen = subprocess.Popen(
         [sys.executable, "-m", f"services.{name}"],
-        env={**env, "CRONBUS_METRICS_PORT": str(port), "CRONBUS_LOG_FORMAT": "text",
-             "CRONBUS_MIGRATE_ON_START": "false"},
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env={
+            **env,
+            "CRONBUS_METRICS_PORT": str(port),
+            "CRONBUS_LOG_FORMAT": "text",
+            "CRONBUS_MIGRATE_ON_START": "false",
+        },
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     return Child(name, port, popen)
 
 
@@ -160,8 +196,10 @@ async def _wait_ready(children: list[Child], timeout_s: float) -> None:
             if child.popen.poll() is not None:
                 raise CliError(f"{child.name} exited; see {LOG_DIR / (child.name + '.log')}")
             if time.monotonic() > deadline:
-                raise CliError(f"{child.name} not ready after {timeout_s:g}s; "
-                               f"see {LOG_DIR / (child.name + '.log')}")
+                raise CliError(
+                    f"{child.name} not ready after {timeout_s:g}s; "
+                    f"see {LOG_DIR / (child.name + '.log')}"
+                )
             await asyncio.sleep(0.2)
 
 

@@ -299,7 +299,9 @@ class Intake:
         if isinstance(command, models.UpsertCommand):
             return await self.upsert(namespace, command, audit)
         if isinstance(command, models.ListCommand):
-            return await self.list(namespace, command)
+            reply = await self.list(namespace, command)
+            await self.store.record_command(audit)
+            return reply
         assert isinstance(command, models.IdCommand)
         handlers = {
             "delete": self.delete,
@@ -308,7 +310,9 @@ class Intake:
             "trigger": self.trigger,
         }
         if verb == "get":
-            return await self.get(namespace, command.id)
+            reply = await self.get(namespace, command.id)
+            await self.store.record_command(audit)
+            return reply
         return await handlers[verb](namespace, command.id, audit)
 
     async def upsert(

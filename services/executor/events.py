@@ -59,5 +59,6 @@ class Events:
             await exchange.publish(
                 aio_pika.Message(body, content_type="application/json"),
                 routing_key=keys.event_routing_key(row.namespace, outcome),
+                mandatory=False,
             )
             metrics.EVENTS.labels(outcome).inc()

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 BATCH_ITEMS = 2000
+#: Wake the dispatchers for occurrences due within this long (they sleep at most a second).
+WAKE_HORIZON_MS = 1500
 
 
 def _by_shard(items: Sequence[tuple[int, T]]) -> dict[int, list[T]]:
@@ -104,10 +106,33 @@ class Executor:
         return _in_order(items, await self.index.begin(_by_shard(items)))
 
     async def _flush_complete(self, items: Sequence[tuple[int, Completion]]) -> list[int]:
-        return _in_order(items, await self.index.complete(_by_shard(items)))
+        codes = _in_order(items, await self.index.complete(_by_shard(items)))
+        await self._wake_for(
+            [
+                c.next_fire_ms
+                for (_, c), code in zip(items, codes, strict=True)
+                if code and c.next_fire_ms is not None
+            ]
+        )
+        return codes
 
     async def _flush_retry(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[int]:
-        return _in_order(items, await self.index.retry(_by_shard(items)))
+        codes = _in_order(items, await self.index.retry(_by_shard(items)))
+        now = self.now_ms()
+        await self._wake_for(
+            [now + delay for (_, (_, _, delay)), code in zip(items, codes, strict=True) if code]
+        )
+        return codes
+
+    async def _wake_for(self, fire_times: Sequence[int]) -> None:
+        """Dispatchers sleep until the earliest due time they know of; an occurrence this
+        executor just put back (a retry, a short interval) may be due sooner than that."""
+        if not fire_times:
+            return
+        soonest = min(fire_times)
+        if soonest - self.now_ms() < WAKE_HORIZON_MS:
+            with contextlib.suppress(*transient.ERRORS):
+                await self.index.client.publish(self.index.keys.wake_channel, str(soonest))
 
     # --- one message --------------------------------------------------------------------------
 
