@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
-from cronbus import commands, dev
+from cronbus import commands, dev, importer
 from cronbus import preview as preview_cmd
 from cronbus.common import CliError
 
@@ -56,6 +56,11 @@ def _add_commands(sub: Subparsers) -> None:
     p.add_argument("--state", choices=("active", "paused", "completed"))
     _with_namespace(p)
     p.set_defaults(handler=commands.run_list)
+    p = sub.add_parser("import", help="bulk-load schedules from a JSON-lines file")
+    p.add_argument("file", help="one schedule per line, as in upsert ('-': stdin)")
+    p.add_argument("--batch", type=int, default=5000, help="schedules per transaction")
+    _with_namespace(p)
+    p.set_defaults(handler=importer.run)
     p = sub.add_parser("executions", help="recent executions of a schedule (from PostgreSQL)")
     p.add_argument("id", help="schedule id")
     p.add_argument("--limit", type=int, default=20)

@@ -145,6 +145,12 @@ def version_of(raw: bytes) -> int:
     return int(raw[len(_VERSION_PREFIX) : end])
 
 
+def with_version(raw: bytes, version: int) -> bytes:
+    """The same encoding at another version (cheaper than re-encoding the plan)."""
+    old = version_of(raw)
+    return b'{"v":%d' % version + raw[len(_VERSION_PREFIX) + len(str(old)) :]
+
+
 def decode(raw: bytes | str) -> Plan:
     data = codec.loads(raw)
     return decode_object(data)

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
@@ -21,12 +22,24 @@ RedisClient = aioredis.Redis | RedisCluster
 UpsertMode = Literal["keep", "reset", "park"]
 
 
+class FastConnection(aioredis.Connection):
+    """Packs commands with hiredis (C) instead of redis-py's Python packer: the scripts take
+    thousands of arguments per call, and packing them was a tenth of a bulk import's time."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        first = args[0]
+        if isinstance(first, str) and " " in first:
+            args = (*first.split(), *args[1:])  # "SCRIPT LOAD" goes as two words
+        return [hiredis.pack_command(args)]
+
+
 def connect(settings: CommonSettings) -> RedisClient:
     """A client for the configured Redis (standalone or cluster); it reconnects by itself."""
     options: dict[str, Any] = {
         "socket_timeout": 10,
         "socket_connect_timeout": 5,
         "health_check_interval": 15,
+        "connection_class": FastConnection,
     }
     if settings.redis_cluster:
         return RedisCluster.from_url(settings.redis_url, **options)

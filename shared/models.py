@@ -29,6 +29,8 @@ from shared import cron, timefmt
 NAMESPACE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 SCHEDULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$")
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+HTTP_URL_RE = re.compile(r"^https?://[^/\s?#]+")
+URL_CREDENTIALS_RE = re.compile(r"^https?://[^/]*@")
 HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
 #: Headers cronbus sets itself, or that belong to the HTTP connection: a schedule may not set them.
 RESERVED_HEADERS = frozenset(
@@ -158,9 +160,9 @@ class WebhookTarget(Strict):
     @field_validator("url")
     @classmethod
     def _url_is_http(cls, value: str) -> str:
-        if not re.match(r"^https?://[^/\s?#]+", value):
+        if not HTTP_URL_RE.match(value):
             raise ValueError("must be an absolute http:// or https:// URL")
-        if re.match(r"^https?://[^/]*@", value):
+        if URL_CREDENTIALS_RE.match(value):
             raise ValueError("must not carry credentials; put them in headers")
         if any(ch.isspace() for ch in value):
             raise ValueError("must not contain whitespace")
@@ -236,6 +238,9 @@ class FireAllMisfire(MisfireCommon):
     limit: int = Field(default=100, ge=1, le=100_000)
 
 
+DEFAULT_RETRY = Retry()
+DEFAULT_MISFIRE = FireOnceMisfire(policy="fire_once")
+
 Misfire = Annotated[SkipMisfire | FireOnceMisfire | FireAllMisfire, Field(discriminator="policy")]
 
 #: Why each field a reply shows, but cronbus assigns, is refused in an upsert (never ignored).
@@ -256,8 +261,10 @@ class Schedule(Strict):
     id: str
     spec: Spec
     target: Target
-    retry: Retry = Field(default_factory=Retry)
-    misfire: Misfire = Field(default_factory=lambda: FireOnceMisfire(policy="fire_once"))
+    # Shared default instances: the models are frozen, and building them per schedule showed up
+    # in bulk imports.
+    retry: Retry = DEFAULT_RETRY
+    misfire: Misfire = DEFAULT_MISFIRE
     #: A deterministic delay in [0, jitter_s) per occurrence, spreading herds.
     jitter_s: float = Field(default=0, ge=0, le=86_400)
     #: Rebuild order after Redis loses data: higher first.

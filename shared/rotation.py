@@ -102,6 +102,34 @@ def place_pause(current: Current) -> Placement:
     return Placement("paused", "park", None, current.fires, current.last_fire_ms)
 
 
+def index_write(
+    namespace: str,
+    schedule_id: str,
+    plan: Plan,
+    raw_plan: bytes,
+    placement: Placement,
+    *,
+    version: int | None = None,
+) -> Upsert | None:
+    """The index write of a placement (None: the schedule has nothing to fire; remove it).
+
+    ``version`` overrides ``plan.version`` (a bulk import stamps it into ``raw_plan`` only).
+    """
+    if placement.mode is None:
+        return None
+    member = keys.member(namespace, schedule_id)
+    nominal = placement.next_nominal
+    fire = None if nominal is None else schedule.fire_at_ms(plan, member, nominal)
+    occ = (
+        ""
+        if nominal is None or fire is None
+        else resting_occ_state(nominal, fire, placement.fires, plan.max_fires is not None)
+    )
+    return Upsert(
+        member, plan.version if version is None else version, raw_plan, placement.mode, fire, occ
+    )
+
+
 def index_entry(
     namespace: str,
     schedule_id: str,

@@ -22,6 +22,10 @@ from shared.sql import QUERIES
 Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
 
+def _json_text(value: dict[str, Any] | bytes) -> str:
+    return (value if isinstance(value, bytes) else codec.dumps(value)).decode()
+
+
 def _ms(value: dt.datetime | None) -> int | None:
     return None if value is None else timefmt.datetime_to_ms(value)
 
@@ -67,7 +71,8 @@ class NewScheduleRow:
     id: str
     version: int
     state: str
-    definition: dict[str, Any]
+    #: The definition as an object, or already encoded as JSON.
+    definition: dict[str, Any] | bytes
     compact: bytes
     priority: int
     labels: dict[str, str]
@@ -189,6 +194,36 @@ class Store:
         record = await conn.fetchrow(QUERIES["lock_schedule"], namespace, schedule_id)
         return None if record is None else ScheduleRow.of(record)
 
+    async def lock_schedules(
+        self, conn: Connection, namespace: str, ids: Sequence[str]
+    ) -> dict[str, ScheduleRow]:
+        records = await conn.fetch(QUERIES["lock_schedules"], namespace, list(ids))
+        return {record["id"]: ScheduleRow.of(record) for record in records}
+
+    async def put_schedules(self, conn: Connection, rows: Sequence[NewScheduleRow]) -> None:
+        """Create or replace many schedules: one COPY into a staging table, one statement."""
+        await conn.execute(QUERIES["create_schedule_staging"])
+        await conn.copy_records_to_table(
+            "schedule_staging",
+            records=[
+                (
+                    r.namespace,
+                    r.id,
+                    r.version,
+                    r.state,
+                    _json_text(r.definition),
+                    r.compact,
+                    r.priority,
+                    codec.dumps(r.labels).decode(),
+                    r.fires,
+                    r.last_fire_ms,
+                    r.next_fire_ms,
+                )
+                for r in rows
+            ],
+        )
+        await conn.execute(QUERIES["put_staged_schedules"])
+
     async def get_schedule(self, namespace: str, schedule_id: str) -> ScheduleRow | None:
         record = await self.pool.fetchrow(QUERIES["get_schedule"], namespace, schedule_id)
         return None if record is None else ScheduleRow.of(record)
@@ -200,7 +235,7 @@ class Store:
             row.id,
             row.version,
             row.state,
-            row.definition,
+            codec.loads(row.definition) if isinstance(row.definition, bytes) else row.definition,
             row.compact,
             row.priority,
             row.labels,

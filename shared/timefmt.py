@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 _RFC3339 = re.compile(
     r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})$"
 )
+_FRACTION = re.compile(r"\.(\d+)")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -19,7 +20,7 @@ def parse_rfc3339_ms(text: str) -> int:
     if not _RFC3339.match(text):
         raise ValueError(f"{text!r} is not an RFC 3339 time with a zone, like 2027-01-01T09:00:00Z")
     normalised = text[:-1] + "+00:00" if text[-1] in "Zz" else text
-    fraction = re.search(r"\.(\d+)", normalised)
+    fraction = _FRACTION.search(normalised)
     if fraction and len(fraction.group(1)) > 6:
         normalised = normalised.replace(fraction.group(0), fraction.group(0)[:7])
     try:

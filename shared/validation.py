@@ -7,6 +7,7 @@ operator's policy: a spec that never fires, a body that is too big, a target tha
 from __future__ import annotations
 
 import fnmatch
+import functools
 import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,20 +41,37 @@ class TargetPolicy:
     allowed_exchanges: tuple[str, ...] = ("*",)
     #: Largest JSON body stored with a schedule.
     max_body_bytes: int = 65_536
-    _networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = field(
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = field(
         init=False, repr=False, compare=False
     )
 
     def __post_init__(self) -> None:
         networks = tuple(ipaddress.ip_network(net, strict=False) for net in self.denied_networks)
-        object.__setattr__(self, "_networks", networks)
+        object.__setattr__(self, "networks", networks)
 
     def host_denied(self, host: str) -> bool:
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            return False
-        return any(address in network for network in self._networks)
+        return _host_denied(self, host)
+
+    def host_allowed(self, host: str) -> bool:
+        return _host_allowed(self, host)
+
+    def exchange_allowed(self, exchange: str) -> bool:
+        return any(fnmatch.fnmatchcase(exchange, glob) for glob in self.allowed_exchanges)
+
+
+# Hosts repeat across schedules (a bulk import has millions of one host): answer once.
+@functools.lru_cache(maxsize=4096)
+def _host_denied(policy: TargetPolicy, host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return any(address in network for network in policy.networks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_allowed(policy: TargetPolicy, host: str) -> bool:
+    return any(fnmatch.fnmatchcase(host, glob) for glob in policy.allowed_hosts)
 
 
 def _path_of(loc: tuple[int | str, ...]) -> str:
@@ -196,7 +214,7 @@ def _target_problems(
         host = (urlsplit(target.url).hostname or "").lower()
         if policy.host_denied(host):
             problems.append({"field": "target.url", "reason": f"host {host} is not allowed"})
-        elif not any(fnmatch.fnmatchcase(host, glob) for glob in policy.allowed_hosts):
+        elif not policy.host_allowed(host):
             problems.append(
                 {
                     "field": "target.url",
@@ -205,7 +223,7 @@ def _target_problems(
             )
         return problems
     problems.extend(_exchange_problems(target))
-    if not any(fnmatch.fnmatchcase(target.exchange, glob) for glob in policy.allowed_exchanges):
+    if not policy.exchange_allowed(target.exchange):
         problems.append(
             {
                 "field": "target.exchange",

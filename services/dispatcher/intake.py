@@ -36,7 +36,7 @@ from shared import (
 )
 from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
-from shared.index import Index, Upsert, resting_occ_state
+from shared.index import Index
 from shared.plan import AfterCompletionRule, Plan
 from shared.store import CommandAudit, NewScheduleRow, ScheduleRow, Store
 
@@ -498,21 +498,14 @@ class Intake:
     ) -> None:
         """Write the placement to Redis (after PostgreSQL committed it)."""
         shard = self.index.shard_of(namespace, schedule_id)
-        member = keys.member(namespace, schedule_id)
-        if placement.mode is None:
+        upsert = rotation.index_write(namespace, schedule_id, plan, compact.encode(plan), placement)
+        if upsert is None:
+            member = keys.member(namespace, schedule_id)
             await self._write_index(lambda: self.index.remove({shard: [(member, plan.version)]}))
             return
-        nominal = placement.next_nominal
-        fire = None if nominal is None else schedule.fire_at_ms(plan, member, nominal)
-        occ = (
-            ""
-            if nominal is None or fire is None
-            else resting_occ_state(nominal, fire, placement.fires, plan.max_fires is not None)
-        )
-        upsert = Upsert(member, plan.version, compact.encode(plan), placement.mode, fire, occ)
         await self._write_index(lambda: self.index.upsert({shard: [upsert]}))
-        if fire is not None:
-            await self.wake(shard, fire)
+        if upsert.next_fire_ms is not None:
+            await self.wake(shard, upsert.next_fire_ms)
 
     async def _write_index(self, write: Callable[[], Awaitable[object]]) -> None:
         """PostgreSQL has committed: only the index write is repeated while Redis is away.

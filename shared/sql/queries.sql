@@ -113,3 +113,32 @@ SELECT s.namespace, s.id, s.version, s.state, s.compact, s.fires,
 FROM schedules s
 JOIN unnest($1::text[], $2::text[]) AS k(namespace, id)
   ON s.namespace = k.namespace AND s.id = k.id;
+
+-- lock_schedules --
+-- Many schedules of a namespace, locked until the transaction ends (bulk import).
+SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
+       last_fire_at, next_fire_at, created_at, updated_at
+FROM schedules
+WHERE namespace = $1 AND id = ANY($2::text[])
+FOR UPDATE;
+
+-- create_schedule_staging --
+-- A transaction-local staging table for COPY (bulk import).
+CREATE TEMPORARY TABLE IF NOT EXISTS schedule_staging (
+    namespace text, id text, version bigint, state text, definition text, compact bytea,
+    priority integer, labels text, fires bigint, last_fire_ms bigint, next_fire_ms bigint
+) ON COMMIT DELETE ROWS;
+
+-- put_staged_schedules --
+-- Create or replace every staged schedule at the version the importer computed.
+INSERT INTO schedules AS s (namespace, id, version, state, definition, compact, priority,
+                            labels, fires, last_fire_at, next_fire_at)
+SELECT namespace, id, version, state, definition::jsonb, compact, priority, labels::jsonb,
+       fires, to_timestamp(last_fire_ms / 1000.0), to_timestamp(next_fire_ms / 1000.0)
+FROM schedule_staging
+ON CONFLICT (namespace, id) DO UPDATE
+SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.definition,
+    compact = EXCLUDED.compact, priority = EXCLUDED.priority, labels = EXCLUDED.labels,
+    fires = EXCLUDED.fires, last_fire_at = EXCLUDED.last_fire_at,
+    next_fire_at = EXCLUDED.next_fire_at, updated_at = now(),
+    created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END;

@@ -208,7 +208,11 @@ def env_name(cls: type[CommonSettings], field: str) -> str:
 
 
 def effective_settings(cls: type[CommonSettings], env: Mapping[str, str | None]) -> CommonSettings:
-    """The settings this environment gives (values from a Secret keep their defaults)."""
+    """The settings this environment gives (values from a Secret keep their defaults).
+
+    pydantic-settings would also read the test process's own environment for the fields not
+    given here; tests/conftest.py removes every CRONBUS_* variable from it first.
+    """
     values = {
         field: env[env_name(cls, field)]
         for field in cls.model_fields
@@ -234,20 +238,13 @@ def resolve_port(port: int | str, container: Obj) -> int | None:
 # --- metrics and PromQL --------------------------------------------------------------------------
 
 _METRIC_KINDS = {"Counter", "Gauge", "Histogram", "Summary"}
-_PROMQL_WORDS = {
-    "and",
-    "or",
-    "unless",
+_PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan"} | {
     "by",
     "without",
     "on",
     "ignoring",
     "group_left",
     "group_right",
-    "bool",
-    "offset",
-    "inf",
-    "nan",
 }
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _MATCHERS = re.compile(r"\{[^{}]*\}")
