@@ -11,40 +11,22 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cronbus import procs
 from cronbus.client import CommandClient
 from cronbus.common import CliError
+from cronbus.procs import SERVICES, ServiceProcess
 from cronbus.sink import Received, Sink
 from shared import db, timefmt, transient
 from shared.config import CommonSettings
 
-SERVICES = ("dispatcher", "executor", "sweeper")
 LOG_DIR = Path(".cronbus-dev")
-
-
-@dataclass
-class Child:
-    name: str
-    port: int
-    popen: subprocess.Popen[bytes]
-
-    def get(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{self.port}{path}", timeout=1
-            ) as response:
-                return int(response.status), response.read().decode()
-        except OSError as exc:
-            return int(getattr(exc, "code", 0) or 0), ""
 
 
 def demo_schedules(sink_url: str, now_ms: int) -> list[dict[str, Any]]:
@@ -133,7 +115,7 @@ def _quantile(samples: dict[str, float], q: float) -> float | None:
     return None
 
 
-def status_line(children: list[Child]) -> str:
+def status_line(children: list[ServiceProcess]) -> str:
     parts = []
     executor_metrics: dict[str, float] = {}
     dispatcher_metrics: dict[str, float] = {}
@@ -171,36 +153,21 @@ def status_line(children: list[Child]) -> str:
     )
 
 
-def _start(name: str, port: int, env: dict[str, str]) -> Child:
-    LOG_DIR.mkdir(exist_ok=True)
-    log = (LOG_DIR / f"{name}.log").open("ab")
-    popen = subprocess.Popen(
-        [sys.executable, "-m", f"services.{name}"],
-        env={
-            **env,
-            "CRONBUS_METRICS_PORT": str(port),
-            "CRONBUS_LOG_FORMAT": "text",
-            "CRONBUS_MIGRATE_ON_START": "false",
-        },
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+def _start(name: str, port: int, env: dict[str, str]) -> ServiceProcess:
+    return procs.start(
+        name,
+        {**env, "CRONBUS_LOG_FORMAT": "text", "CRONBUS_MIGRATE_ON_START": "false"},
+        port,
+        LOG_DIR / f"{name}.log",
     )
-    return Child(name, port, popen)
 
 
-async def _wait_ready(children: list[Child], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+async def _wait_ready(children: list[ServiceProcess], timeout_s: float) -> None:
     for child in children:
-        while (await asyncio.to_thread(child.get, "/readyz"))[0] != 200:
-            if child.popen.poll() is not None:
-                raise CliError(f"{child.name} exited; see {LOG_DIR / (child.name + '.log')}")
-            if time.monotonic() > deadline:
-                raise CliError(
-                    f"{child.name} not ready after {timeout_s:g}s; "
-                    f"see {LOG_DIR / (child.name + '.log')}"
-                )
-            await asyncio.sleep(0.2)
+        try:
+            await child.wait_ready(timeout_s)
+        except RuntimeError:
+            raise CliError(f"{child.name} did not become ready; see {child.log}") from None
 
 
 async def _register_demo(settings: CommonSettings, sink: Sink) -> None:
@@ -242,14 +209,7 @@ async def _dev(args: argparse.Namespace) -> int:
     finally:
         _clear_status()
         print("\nstopping ...")
-        for child in children:
-            if child.popen.poll() is None:
-                child.popen.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                await asyncio.to_thread(child.popen.wait, 30)
-            except subprocess.TimeoutExpired:
-                child.popen.kill()
+        await asyncio.to_thread(procs.stop_all, children, 30)
         if sink is not None:
             await sink.stop()
     return 0
