@@ -64,6 +64,7 @@ class Sink:
     port: int = 0
     _server: asyncio.Server | None = None
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    _connections: set[_Protocol] = field(default_factory=set)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         loop = asyncio.get_running_loop()
@@ -80,6 +81,9 @@ class Sink:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+            for connection in list(self._connections):
+                if connection.transport is not None:
+                    connection.transport.close()
             await self._server.wait_closed()
 
     def record(self, request: Received) -> int:
@@ -113,8 +117,12 @@ class _Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but behave as one.
+        self.transport = transport  # type: ignore[assignment]
+        self.sink._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.sink._connections.discard(self)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data

@@ -150,12 +150,23 @@ class Executor:
         try:
             await self.audit.wait_for_room()
             await asyncio.gather(*(self.process(occ) for occ in occurrences))
-        except (transient.Stopped, asyncio.CancelledError):
+        except (transient.Stopped, asyncio.CancelledError) as exc:
             # Handed back: the redelivery's fencing skips whatever was settled already.
             with contextlib.suppress(Exception):
                 await asyncio.shield(message.nack(requeue=True))
-            raise
-        await message.ack()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        except Exception:
+            # A bug, not an outage: park the message; its leases expire and the sweeper
+            # hands the occurrences out again.
+            log.exception("delivery message failed", extra={"action": "delivery_failed"})
+            with contextlib.suppress(*transient.ERRORS):
+                await message.reject(requeue=False)
+            return
+        with contextlib.suppress(*transient.ERRORS):
+            # If the ack is lost the broker redelivers, and fencing skips what is settled.
+            await message.ack()
 
     async def process(self, occ: Occurrence) -> None:
         """Fence, deliver and settle one occurrence (waiting out Redis outages)."""
@@ -206,6 +217,12 @@ class Executor:
                 outcome = await self.webhooks.deliver(occ, key)
             else:
                 outcome = await self.amqp_targets.deliver(occ, key)
+        except Exception as exc:
+            # A bug must not strand the occurrence: it counts as a failed attempt.
+            log.exception(
+                "delivery raised", extra={"action": "delivery_error", "schedule": occ.member}
+            )
+            outcome = Outcome(False, None, f"internal error: {exc!r}"[:500])
         finally:
             metrics.IN_FLIGHT.dec()
         finished = self.now_ms()

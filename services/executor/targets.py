@@ -5,17 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import aio_pika
-import aiohttp
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
+from services.executor.http import HttpClient, HttpError
 from services.executor.settle import Outcome
 from shared import timefmt
 from shared.delivery import Occurrence
 from shared.plan import AmqpPlan, WebhookPlan
 
 USER_AGENT = "cronbus/0.1"
-#: Response bytes kept as the error of a failed webhook call.
-ERROR_BODY_BYTES = 300
 
 
 def pinned_headers(occ: Occurrence, key: str) -> dict[str, str]:
@@ -35,42 +33,30 @@ class Webhooks:
     """One pooled HTTP client for every webhook this executor calls."""
 
     def __init__(self, connections_per_host: int) -> None:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=0, limit_per_host=connections_per_host, ttl_dns_cache=60
-            ),
-            headers={"User-Agent": USER_AGENT},
-            skip_auto_headers=("Content-Type",),
-        )
+        self.client = HttpClient(connections_per_host, user_agent=USER_AGENT)
 
     async def close(self) -> None:
-        await self.session.close()
+        await self.client.close()
 
     async def deliver(self, occ: Occurrence, key: str) -> Outcome:
         target = occ.plan.target
         assert isinstance(target, WebhookPlan)
-        headers = dict(target.headers)
-        headers.update(pinned_headers(occ, key))
+        headers = list(target.headers)
+        headers += pinned_headers(occ, key).items()
         if target.body is not None:
-            headers["Content-Type"] = "application/json"
+            headers.append(("Content-Type", "application/json"))
         try:
-            async with self.session.request(
-                target.method,
-                target.url,
-                data=target.body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=target.timeout_ms / 1000),
-                allow_redirects=False,
-            ) as response:
-                body = await response.content.read(ERROR_BODY_BYTES)
-                status = response.status
+            response = await self.client.request(
+                target.method, target.url, headers, target.body, target.timeout_ms / 1000
+            )
         except TimeoutError:
             return Outcome(False, None, f"timed out after {target.timeout_ms / 1000:g}s")
-        except (aiohttp.ClientError, OSError) as exc:
-            return Outcome(False, None, f"{type(exc).__name__}: {exc}"[:500])
+        except HttpError as exc:
+            return Outcome(False, None, str(exc)[:500])
+        status = response.status
         if _succeeded(status, target.success_codes):
             return Outcome(True, status)
-        text = body.decode("utf-8", "replace").strip()
+        text = response.body.decode("utf-8", "replace").strip()
         return Outcome(False, status, f"HTTP {status}" + (f": {text}" if text else ""))
 
 
