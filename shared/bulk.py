@@ -3,25 +3,31 @@ with one COPY and one statement per batch to PostgreSQL, then pipelined into the
 
 Each line is a schedule (the ``schedule`` object of an upsert). A line that is refused is
 reported with its number and the reasons, and changes nothing; the other lines go on.
+
+Validation is the costly part and needs no I/O, so batches are validated in worker processes
+(one per core) while the importing process writes the batches before them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 import time
-from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
 
-from shared import codec, compact, keys, models, rotation, validation
+from shared import codec, compact, keys, models, rotation, schedule, validation
 from shared.errors import ValidationFailed
-from shared.index import Index, Upsert
+from shared.index import Index, Upsert, resting_occ_state
 from shared.store import CommandAudit, NewScheduleRow, ScheduleRow, Store
 
 DEFAULT_BATCH = 5000
+FieldErrors = list[dict[str, str]]
 
 
 @dataclass
@@ -29,59 +35,93 @@ class ImportResult:
     imported: int = 0
     created: int = 0
     #: (line number, field errors) of every refused line.
-    refused: list[tuple[int, list[dict[str, str]]]] = field(default_factory=list)
+    refused: list[tuple[int, FieldErrors]] = field(default_factory=list)
     #: Earliest fire time written to the index (to wake dispatchers).
     earliest_fire_ms: int | None = None
 
 
-@dataclass
-class _Valid:
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A validated line, reduced to what writing it needs (cheap to pass between processes)."""
+
     line: int
-    item: models.Schedule
-    plan: Any
+    id: str
+    #: The compact schedule at version 0 (the real version is stamped in when written).
+    raw_plan: bytes
+    definition: bytes
+    priority: int
+    labels: dict[str, str]
+    paused: bool
+    #: Where a new rotation would start, its fire time (jitter applied) and occ state.
+    first_nominal: int | None
+    first_fire: int | None
+    first_occ: str
 
 
-def _validate(
-    line_number: int, raw: bytes, now_ms: int, policy: validation.TargetPolicy
-) -> _Valid | list[dict[str, str]]:
+def _prepare_one(
+    number: int, raw: bytes, now_ms: int, policy: validation.TargetPolicy, namespace: str
+) -> Prepared | FieldErrors:
     try:
         item = models.Schedule.model_validate_json(raw)
+        plan = validation.check_schedule(item, 0, now_ms, policy)
     except pydantic.ValidationError as exc:
         return validation.field_errors(exc)
-    try:
-        plan = validation.check_schedule(item, 0, now_ms, policy)
     except ValidationFailed as failure:
         return failure.details
-    return _Valid(line_number, item, plan)
+    nominal = rotation.fresh_start(plan, now_ms)
+    fire = (
+        None
+        if nominal is None
+        else schedule.fire_at_ms(plan, keys.member(namespace, item.id), nominal)
+    )
+    occ = (
+        ""
+        if nominal is None or fire is None
+        else resting_occ_state(nominal, fire, 0, plan.max_fires is not None)
+    )
+    return Prepared(
+        number,
+        item.id,
+        compact.encode(plan),
+        item.model_dump_json().encode(),
+        item.priority,
+        item.labels,
+        item.paused,
+        nominal,
+        fire,
+        occ,
+    )
 
 
-async def _batches(
-    lines: Iterable[bytes] | AsyncIterator[bytes], size: int
-) -> AsyncIterator[list[tuple[int, bytes]]]:
+def prepare_batch(
+    batch: list[tuple[int, bytes]], now_ms: int, policy: validation.TargetPolicy, namespace: str
+) -> tuple[list[Prepared], list[tuple[int, FieldErrors]]]:
+    """Validate a batch of lines (pure: runs in a worker process)."""
+    prepared: list[Prepared] = []
+    refused: list[tuple[int, FieldErrors]] = []
+    for number, raw in batch:
+        checked = _prepare_one(number, raw, now_ms, policy, namespace)
+        if isinstance(checked, list):
+            refused.append((number, checked))
+        else:
+            prepared.append(checked)
+    return prepared, refused
+
+
+def _numbered(lines: Iterable[bytes], size: int) -> Iterator[list[tuple[int, bytes]]]:
     batch: list[tuple[int, bytes]] = []
-    number = 0
-    if isinstance(lines, AsyncIterator):
-        async for raw in lines:
-            number += 1
-            if raw.strip():
-                batch.append((number, raw))
-            if len(batch) >= size:
-                yield batch
-                batch = []
-    else:
-        for raw in lines:
-            number += 1
-            if raw.strip():
-                batch.append((number, raw))
-            if len(batch) >= size:
-                yield batch
-                batch = []
+    for number, raw in enumerate(lines, start=1):
+        if raw.strip():
+            batch.append((number, raw))
+        if len(batch) >= size:
+            yield batch
+            batch = []
     if batch:
         yield batch
 
 
 async def import_lines(
-    lines: Iterable[bytes] | AsyncIterator[bytes],
+    lines: Iterable[bytes],
     namespace: str,
     store: Store,
     index: Index,
@@ -89,71 +129,110 @@ async def import_lines(
     *,
     batch_size: int = DEFAULT_BATCH,
     app_id: str | None = "cronbus-import",
+    workers: int | None = None,
     clock: Any = time.time,
 ) -> ImportResult:
     validation.check_namespace(namespace)
     result = ImportResult()
-    writing: asyncio.Task[None] | None = None
-    async for batch in _batches(lines, batch_size):
-        now = int(clock() * 1000)
-        valid: dict[str, _Valid] = {}
-        for number, raw in batch:
-            checked = _validate(number, raw, now, policy)
-            if isinstance(checked, list):
-                result.refused.append((number, checked))
-            else:
-                valid[checked.item.id] = checked  # a later line for the same id wins
-        # One batch is written while the next is validated: PostgreSQL and Redis work on
-        # the other core meanwhile. Batches still commit one after the other, in order.
-        if writing is not None:
-            await writing
-            writing = None
-        if valid:
-            writing = asyncio.create_task(
-                _write_batch(list(valid.values()), namespace, store, index, now, result, app_id)
-            )
-    if writing is not None:
-        await writing
+    workers = workers if workers is not None else (os.cpu_count() or 1)
+    pool = concurrent.futures.ProcessPoolExecutor(workers) if workers > 1 else None
+    try:
+        async for prepared, refused, now in _validated(
+            _numbered(lines, batch_size), pool, workers, policy, namespace, clock
+        ):
+            result.refused += refused
+            latest = {p.id: p for p in prepared}  # a later line for the same id wins
+            if latest:
+                await _write_batch(
+                    list(latest.values()), namespace, store, index, now, result, app_id
+                )
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return result
 
 
+async def _validated(
+    batches: Iterator[list[tuple[int, bytes]]],
+    pool: concurrent.futures.ProcessPoolExecutor | None,
+    workers: int,
+    policy: validation.TargetPolicy,
+    namespace: str,
+    clock: Any,
+) -> AsyncIterator[tuple[list[Prepared], list[tuple[int, FieldErrors]], int]]:
+    """Batches validated in order, up to ``workers + 1`` of them ahead of the writer."""
+    loop = asyncio.get_running_loop()
+    pending: deque[tuple[asyncio.Future[Any], int]] = deque()
+    for batch in batches:
+        now = int(clock() * 1000)
+        if pool is None:
+            prepared, refused = prepare_batch(batch, now, policy, namespace)
+            yield prepared, refused, now
+            continue
+        pending.append(
+            (loop.run_in_executor(pool, prepare_batch, batch, now, policy, namespace), now)
+        )
+        if len(pending) > workers:
+            future, at = pending.popleft()
+            prepared, refused = await future
+            yield prepared, refused, at
+    while pending:
+        future, at = pending.popleft()
+        prepared, refused = await future
+        yield prepared, refused, at
+
+
 def _placed(
-    entry: _Valid, old: ScheduleRow | None, namespace: str, now: int
+    entry: Prepared, old: ScheduleRow | None, namespace: str, now: int
 ) -> tuple[NewScheduleRow, Upsert | None, bool]:
     """The row, the index write and whether it is new, for one valid line (as upsert does)."""
     live = old is not None and old.state != "deleted"
     version = (old.version if old is not None else 0) + 1
-    current = (
-        rotation.Current(
+    raw_plan = compact.with_version(entry.raw_plan, version)
+    if old is not None and live:
+        # Replacing a schedule: the same placement rules as an upsert command.
+        plan = compact.decode(raw_plan)
+        current = rotation.Current(
             compact.decode(old.compact), old.state, old.fires, old.last_fire_ms, old.next_fire_ms
         )
-        if (old is not None and live)
-        else None
-    )
-    placement = rotation.place_upsert(current, entry.plan, entry.item.paused, now)
-    # The plan was validated at version 0: stamp the real version into the encoding only.
-    raw_plan = compact.with_version(compact.encode(entry.plan), version)
+        placement = rotation.place_upsert(current, plan, entry.paused, now)
+        upsert = rotation.index_write(namespace, entry.id, plan, raw_plan, placement)
+    else:
+        placement = _fresh_placement(entry)
+        member = keys.member(namespace, entry.id)
+        upsert = (
+            None
+            if placement.mode is None
+            else Upsert(
+                member, version, raw_plan, placement.mode, entry.first_fire, entry.first_occ
+            )
+        )
     row = NewScheduleRow(
         namespace,
-        entry.item.id,
+        entry.id,
         version,
         placement.state,
-        entry.item.model_dump_json().encode(),
+        entry.definition,
         raw_plan,
-        entry.item.priority,
-        entry.item.labels,
+        entry.priority,
+        entry.labels,
         placement.fires,
         placement.last_fire_ms,
         placement.next_nominal,
     )
-    upsert = rotation.index_write(
-        namespace, entry.item.id, entry.plan, raw_plan, placement, version=version
-    )
     return row, upsert, not live
 
 
+def _fresh_placement(entry: Prepared) -> rotation.Placement:
+    if entry.paused:
+        return rotation.Placement("paused", "park", None, 0, None)
+    if entry.first_nominal is None:
+        return rotation.Placement("completed", None, None, 0, None)
+    return rotation.Placement("active", "reset", entry.first_nominal, 0, None)
+
+
 async def _write_batch(
-    valid: list[_Valid],
+    batch: list[Prepared],
     namespace: str,
     store: Store,
     index: Index,
@@ -165,14 +244,14 @@ async def _write_batch(
     upserts: dict[int, list[Upsert]] = defaultdict(list)
     removals: dict[int, list[tuple[str, int | None]]] = defaultdict(list)
     async with store.transaction() as conn:
-        existing = await store.lock_schedules(conn, namespace, [v.item.id for v in valid])
-        for entry in valid:
-            row, upsert, created = _placed(entry, existing.get(entry.item.id), namespace, now)
+        existing = await store.lock_schedules(conn, namespace, [p.id for p in batch])
+        for entry in batch:
+            row, upsert, created = _placed(entry, existing.get(entry.id), namespace, now)
             rows.append(row)
             result.created += created
-            shard = index.shard_of(namespace, entry.item.id)
+            shard = index.shard_of(namespace, entry.id)
             if upsert is None:
-                removals[shard].append((keys.member(namespace, entry.item.id), row.version))
+                removals[shard].append((keys.member(namespace, entry.id), row.version))
                 continue
             upserts[shard].append(upsert)
             if upsert.next_fire_ms is not None and (

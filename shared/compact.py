@@ -55,37 +55,36 @@ def _decode_rule(data: dict[str, Any]) -> Rule:
     return OnceRule(data["o"])
 
 
-def _encode_target(target: TargetPlan) -> dict[str, Any]:
-    out: dict[str, Any]
+def _encode_target(target: TargetPlan, out: dict[str, Any]) -> None:
+    """Target fields sit beside the schedule's, with upper-case keys where they would clash."""
     if isinstance(target, WebhookPlan):
-        out = {"u": target.url}
+        out["u"] = target.url
         if target.method != "POST":
-            out["m"] = target.method
+            out["M"] = target.method
         if target.success_codes is not None:
-            out["s"] = sorted(target.success_codes)
+            out["S"] = sorted(target.success_codes)
     else:
-        out = {"x": target.exchange}
+        out["x"] = target.exchange
         if target.routing_key:
-            out["r"] = target.routing_key
+            out["k"] = target.routing_key
     if target.headers:
-        out["h"] = dict(target.headers)
+        out["H"] = dict(target.headers)
     if target.body is not None:
         # Stored as a JSON value, not a string of JSON: escaping would cost bytes.
-        out["b"] = codec.Fragment(target.body)
+        out["B"] = codec.Fragment(target.body)
     if target.timeout_ms != _DEFAULT_TIMEOUT_MS:
-        out["t"] = target.timeout_ms
-    return out
+        out["T"] = target.timeout_ms
 
 
 def _decode_target(data: dict[str, Any]) -> TargetPlan:
-    encoded = codec.dumps(data["b"]) if "b" in data else None
-    timeout_ms = data.get("t", _DEFAULT_TIMEOUT_MS)
-    headers = tuple(data["h"].items()) if "h" in data else ()
+    encoded = codec.dumps(data["B"]) if "B" in data else None
+    timeout_ms = data.get("T", _DEFAULT_TIMEOUT_MS)
+    headers = tuple(data["H"].items()) if "H" in data else ()
     if "u" in data:
-        codes = data.get("s")
+        codes = data.get("S")
         return WebhookPlan(
             url=data["u"],
-            method=data.get("m", "POST"),
+            method=data.get("M", "POST"),
             headers=headers,
             body=encoded,
             timeout_ms=timeout_ms,
@@ -93,7 +92,7 @@ def _decode_target(data: dict[str, Any]) -> TargetPlan:
         )
     return AmqpPlan(
         exchange=data["x"],
-        routing_key=data.get("r", ""),
+        routing_key=data.get("k", ""),
         headers=headers,
         body=encoded,
         timeout_ms=timeout_ms,
@@ -128,7 +127,7 @@ def encode(plan: Plan) -> bytes:
             misfire.window_ms,
             misfire.limit,
         ]
-    out["t"] = _encode_target(plan.target)
+    _encode_target(plan.target, out)
     return codec.dumps(out)
 
 
@@ -163,7 +162,7 @@ def decode_object(data: dict[str, Any]) -> Plan:
     return Plan(
         version=data["v"],
         rule=_decode_rule(data),
-        target=_decode_target(data["t"]),
+        target=_decode_target(data),
         start_ms=data.get("a"),
         end_ms=data.get("e"),
         max_fires=data.get("n"),

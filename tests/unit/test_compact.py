@@ -112,7 +112,7 @@ def test_a_typical_schedule_is_small() -> None:
         }
     )
     raw = compact.encode(plan_of(item, 1))
-    assert raw == b'{"v":1,"i":60000,"t":{"u":"http://127.0.0.1:8080/hook"}}'
+    assert raw == b'{"v":1,"i":60000,"u":"http://127.0.0.1:8080/hook"}'
 
 
 @given(plans)

@@ -1,0 +1,85 @@
+"""Bulk import against the real PostgreSQL and Redis: same validation and placement as upsert."""
+
+from __future__ import annotations
+
+import time
+
+import asyncpg
+import pytest
+
+from shared import bulk, codec, compact, keys, timefmt, validation
+from shared.index import Index
+from shared.store import Store
+
+NOW = int(time.time() * 1000)
+
+
+def line(schedule_id: str, **spec: object) -> bytes:
+    return codec.dumps(
+        {
+            "id": schedule_id,
+            "spec": spec or {"kind": "interval", "every_s": 60},
+            "target": {"kind": "webhook", "url": "http://127.0.0.1:9/x"},
+        }
+    )
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_import_validates_each_line_and_writes_both_stores(
+    database_url: str, index: Index, workers: int
+) -> None:
+    lines = [line(f"s{i}") for i in range(12)]
+    lines.insert(3, b'{"id": "bad", "spec": {"kind": "cron", "expr": "0 25 * * *"}}')
+    lines.insert(7, b"not json at all")
+    lines.append(b"")
+    lines.append(line("later", kind="once", at=timefmt.format_ms(NOW + 3_600_000)))
+    store = await Store.open(database_url)
+    try:
+        result = await bulk.import_lines(
+            lines, "imp", store, index, validation.TargetPolicy(), batch_size=5, workers=workers
+        )
+    finally:
+        await store.close()
+    assert (result.imported, result.created) == (13, 13)
+    assert [number for number, _ in result.refused] == [4, 8]
+    assert any("spec.expr" in d["field"] for d in result.refused[0][1])
+    assert bulk.refused_lines(result)[0].startswith("line 4: ")
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch("SELECT id, version, state FROM schedules ORDER BY id")
+        assert len(rows) == 13 and {r["version"] for r in rows} == {1}
+        assert await conn.fetchval("SELECT count(*) FROM commands WHERE verb = 'import'") >= 1
+    finally:
+        await conn.close()
+    member = keys.member("imp", "later")
+    due, _, _ = await index.position(index.shard_of("imp", "later"), member)
+    assert due == NOW + 3_600_000
+    stored = await index.stored_plan(index.shard_of("imp", "s0"), "imp/s0")
+    assert stored is not None and compact.version_of(stored) == 1
+    interval_due, _, _ = await index.position(index.shard_of("imp", "s0"), "imp/s0")
+    assert interval_due is not None and interval_due % 60_000 == 0
+
+
+async def test_reimport_replaces_but_keeps_a_rotation_whose_times_did_not_change(
+    database_url: str, index: Index
+) -> None:
+    store = await Store.open(database_url)
+    try:
+        first = [line("same"), line("changed")]
+        await bulk.import_lines(first, "imp", store, index, validation.TargetPolicy(), workers=1)
+        shard = index.shard_of("imp", "same")
+        await index.client.zadd(index.keys.due(shard), {"imp/same": 42})  # a rotation mark
+        second = [line("same"), line("changed", kind="interval", every_s=3600)]
+        result = await bulk.import_lines(
+            second, "imp", store, index, validation.TargetPolicy(), workers=1
+        )
+        assert (result.imported, result.created) == (2, 0)
+        row = await store.get_schedule("imp", "changed")
+        assert row is not None and row.version == 2
+        assert row.next_fire_ms is not None and row.next_fire_ms % 3_600_000 == 0
+    finally:
+        await store.close()
+    assert await index.client.zscore(index.keys.due(shard), "imp/same") == 42
+    changed_due, _, _ = await index.position(index.shard_of("imp", "changed"), "imp/changed")
+    assert changed_due == row.next_fire_ms
