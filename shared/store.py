@@ -330,31 +330,29 @@ class Store:
 
     async def live_schedules(self, batch: int) -> AsyncIterator[list[LiveSchedule]]:
         """Every active or paused schedule, highest priority first, ``batch`` rows at a time."""
+        async for chunk in self._stream(QUERIES["live_schedules"], batch):
+            yield chunk
+
+    async def changed_schedules(
+        self, since_ms: int, batch: int
+    ) -> AsyncIterator[list[LiveSchedule]]:
+        """Schedules a command changed since ``since_ms``, ``batch`` rows at a time."""
+        async for chunk in self._stream(QUERIES["changed_schedules"], batch, since_ms):
+            yield chunk
+
+    async def _stream(
+        self, query: str, batch: int, *args: object
+    ) -> AsyncIterator[list[LiveSchedule]]:
+        """A server-side cursor: memory stays at one batch however many rows match."""
         async with self.pool.acquire() as conn, conn.transaction(readonly=True):
-            cursor = conn.cursor(QUERIES["live_schedules"], prefetch=batch)
             chunk: list[LiveSchedule] = []
-            async for record in cursor:
-                chunk.append(
-                    LiveSchedule(
-                        record["namespace"],
-                        record["id"],
-                        record["version"],
-                        record["state"],
-                        bytes(record["compact"]),
-                        record["fires"],
-                        record["last_fire_ms"],
-                        record["next_fire_ms"],
-                    )
-                )
+            async for record in conn.cursor(query, *args, prefetch=batch):
+                chunk.append(LiveSchedule.of(record))
                 if len(chunk) >= batch:
                     yield chunk
                     chunk = []
             if chunk:
                 yield chunk
-
-    async def changed_schedules(self, since_ms: int) -> list[LiveSchedule]:
-        records = await self.pool.fetch(QUERIES["changed_schedules"], since_ms)
-        return [LiveSchedule.of(record) for record in records]
 
     async def schedule_versions(self, members: Sequence[tuple[str, str]]) -> list[LiveSchedule]:
         records = await self.pool.fetch(

@@ -219,7 +219,8 @@ class Sweeper:
         self._last_drift_ms = now
         if self.rebuilding is not None and not self.rebuilding.done():
             return
-        await self.reconcile(await self.store.changed_schedules(since))
+        async for chunk in self.store.changed_schedules(since, self.settings.rebuild_batch):
+            await self.reconcile(chunk)
         if time.monotonic() - self._last_full_drift >= self.settings.drift_full_interval_s:
             self._last_full_drift = time.monotonic()
             await self.full_drift_scan()
