@@ -55,7 +55,8 @@ def every(schedule_id: str, seconds: int, **extra: object) -> dict[str, object]:
 async def members(index: Index) -> set[str]:
     found: set[str] = set()
     for shard in range(SHARDS):
-        found |= {m.decode() for m in await index.client.hkeys(index.keys.sched(shard))}
+        names = await index.client.hkeys(index.keys.sched(shard))
+        found |= {m.decode() if isinstance(m, bytes) else m for m in names}
     return found
 
 
