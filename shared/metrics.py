@@ -3,7 +3,9 @@ never a schedule id or a namespace, only kinds, outcomes, verbs, shards and depe
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import contextlib
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 #: Seconds; fire lateness spans milliseconds (steady state) to minutes (outage recovery).
 LATENESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
@@ -102,3 +104,59 @@ PARTITIONS_DROPPED = Counter(
 DEPENDENCY_UP = Gauge(
     "cronbus_dependency_up", "1 when the dependency answered its last check.", ["dependency"]
 )
+
+
+#: The metrics each service exports (the others are left out of its /metrics).
+OWNERS: dict[str, tuple[object, ...]] = {
+    "dispatcher": (
+        CLAIMED,
+        PUBLISHED,
+        DELIVERY_MESSAGES,
+        PUBLISH_FAILURES,
+        ORPHANS,
+        BACKPRESSURE,
+        DELIVERIES_READY,
+        DUE_BACKLOG,
+        SHARDS_OWNED,
+        COMMANDS,
+        DEAD_LETTERED,
+        DEPENDENCY_UP,
+    ),
+    "executor": (
+        DELIVERED,
+        RETRIES,
+        DEAD,
+        STALE,
+        MISFIRES,
+        FIRE_LATENESS,
+        DELIVERY_DURATION,
+        IN_FLIGHT,
+        AUDIT_BUFFERED,
+        AUDIT_WRITTEN,
+        EVENTS,
+        DEAD_LETTERED,
+        DEPENDENCY_UP,
+    ),
+    "sweeper": (
+        RECLAIMED,
+        REBUILDS,
+        REBUILD_PROGRESS,
+        REBUILD_DURATION,
+        REBUILD_RUNNING,
+        INDEX_EPOCH_PRESENT,
+        DRIFT_REPAIRED,
+        PARTITIONS_DROPPED,
+        DEPENDENCY_UP,
+    ),
+}
+
+
+def export_only(service: str) -> None:
+    """Unregister the metrics another service owns, so that a gauge this service never sets
+    (say the sweeper's epoch gauge) is not exported as a misleading 0."""
+    keep = {id(metric) for metric in OWNERS[service]}
+    for metrics in OWNERS.values():
+        for metric in metrics:
+            if id(metric) not in keep:
+                with contextlib.suppress(KeyError):
+                    REGISTRY.unregister(metric)  # type: ignore[arg-type]

@@ -17,10 +17,12 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 import prometheus_client
+from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 
-from shared import codec, logs, metrics
+from shared import amqp, codec, db, index, keys, logs, metrics, transient
 from shared.config import CommonSettings
+from shared.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +183,7 @@ async def serve(service: Service, settings: CommonSettings) -> int:
 def main(name: str, service: Service, settings: CommonSettings) -> None:
     """Entry point of ``python -m services.<name>``: logging, uvloop, run, exit status."""
     logs.setup(settings.log_level, settings.log_format, service=name)
+    metrics.export_only(name)
     try:
         import uvloop  # noqa: PLC0415 - optional speed-up
 
@@ -190,3 +193,69 @@ def main(name: str, service: Service, settings: CommonSettings) -> None:
     with runner:
         code = runner.run(serve(service, settings))
     sys.exit(code)
+
+
+class Connections:
+    """Redis, PostgreSQL and (optionally) RabbitMQ of one service, with their health checks.
+
+    The checks exist before anything is connected, so /readyz and ``cronbus_dependency_up``
+    report a dependency that is down at start just as one that goes away later.
+    """
+
+    def __init__(self, settings: CommonSettings, name: str, *, amqp: bool) -> None:
+        self.settings = settings
+        self.name = name
+        self.redis = index.connect(settings)
+        self.index = index.Index(self.redis, keys.RedisKeys(settings.redis_prefix), settings.shards)
+        self._store: Store | None = None
+        self._amqp: AbstractRobustConnection | None = None
+        checks: dict[str, Check] = {"redis": self.redis.ping, "postgres": self._ping_postgres}
+        if amqp:
+            checks["rabbitmq"] = self._check_amqp
+        self.dependencies = Dependencies(checks)
+        self.wants_amqp = amqp
+
+    @property
+    def store(self) -> Store:
+        assert self._store is not None, "PostgreSQL is not connected yet"
+        return self._store
+
+    @property
+    def amqp(self) -> AbstractRobustConnection:
+        assert self._amqp is not None, "RabbitMQ is not connected yet"
+        return self._amqp
+
+    async def _ping_postgres(self) -> None:
+        if self._store is None:
+            raise ConnectionError("PostgreSQL not connected yet")
+        await self._store.ping()
+
+    async def _check_amqp(self) -> None:
+        if self._amqp is None or self._amqp.is_closed:
+            raise ConnectionError("RabbitMQ connection is closed")
+
+    async def open(self, stopping: asyncio.Event, tasks: Tasks) -> None:
+        """Connect everything, waiting out dependencies that are not there yet."""
+        tasks.start("dependencies", self.dependencies.watch(stopping))
+        settings = self.settings
+        if settings.migrate_on_start:
+            await transient.retry(
+                lambda: db.migrate(settings.database_url), what="migrate", stopping=stopping
+            )
+        await transient.retry(self.index.load_scripts, what="redis", stopping=stopping)
+        self._store = await transient.retry(
+            lambda: Store.open(settings.database_url), what="postgres", stopping=stopping
+        )
+        if self.wants_amqp:
+            self._amqp = await transient.retry(
+                lambda: amqp.connect(settings.amqp_url, f"cronbus-{self.name}"),
+                what="rabbitmq",
+                stopping=stopping,
+            )
+
+    async def close(self) -> None:
+        if self._amqp is not None:
+            await self._amqp.close()
+        if self._store is not None:
+            await self._store.close()
+        await self.redis.aclose()

@@ -8,14 +8,13 @@ import logging
 from typing import Any
 
 import redis.asyncio as aioredis
-from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.intake import Intake
-from shared import amqp, db, index, keys, transient
+from shared import amqp, keys, transient
 from shared.config import DispatcherSettings
-from shared.service import Dependencies, Tasks
-from shared.store import Store
+from shared.service import Connections, Tasks
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +24,13 @@ class DispatcherService:
 
     def __init__(self, settings: DispatcherSettings) -> None:
         self.settings = settings
-        self.deps: Dependencies | None = None
+        self.connections = Connections(settings, self.name, amqp=True)
         self.tasks: Tasks | None = None
         self.consuming = False
         self._commands: set[asyncio.Task[None]] = set()
 
     def readiness(self) -> dict[str, bool]:
-        status = dict(self.deps.status) if self.deps else {}
+        status = dict(self.connections.dependencies.status)
         status["consuming"] = self.consuming
         return status
 
@@ -39,63 +38,35 @@ class DispatcherService:
         return self.tasks is None or self.tasks.alive()
 
     async def run(self, stopping: asyncio.Event) -> None:
-        settings = self.settings
         tasks = self.tasks = Tasks(stopping)
-        if settings.migrate_on_start:
-            await transient.retry(
-                lambda: db.migrate(settings.database_url), what="migrate", stopping=stopping
-            )
-        redis = index.connect(settings)
-        idx = index.Index(redis, keys.RedisKeys(settings.redis_prefix), settings.shards)
-        await transient.retry(idx.load_scripts, what="redis", stopping=stopping)
-        store = await transient.retry(
-            lambda: Store.open(settings.database_url), what="postgres", stopping=stopping
-        )
-        connection = await transient.retry(
-            lambda: amqp.connect(settings.amqp_url, "cronbus-dispatcher"),
-            what="rabbitmq",
-            stopping=stopping,
-        )
-        pubsub_client = aioredis.Redis.from_url(settings.redis_url)
+        # Wake-ups travel over pub/sub on a plain connection (a cluster node relays them).
+        pubsub_client = aioredis.Redis.from_url(self.settings.redis_url)
         try:
-            await self._serve(stopping, tasks, idx, store, connection, pubsub_client)
+            await self.connections.open(stopping, tasks)
+            await self._serve(stopping, tasks, pubsub_client)
         finally:
-            await connection.close()
-            await store.close()
+            await self.connections.close()
             await pubsub_client.aclose()
-            await redis.aclose()
 
     async def _serve(
-        self,
-        stopping: asyncio.Event,
-        tasks: Tasks,
-        idx: index.Index,
-        store: Store,
-        connection: AbstractRobustConnection,
-        pubsub_client: aioredis.Redis,
+        self, stopping: asyncio.Event, tasks: Tasks, pubsub_client: aioredis.Redis
     ) -> None:
-        settings = self.settings
-        publish_channel = await connection.channel(publisher_confirms=True)
+        settings, connections = self.settings, self.connections
+        publish_channel = await connections.amqp.channel(publisher_confirms=True)
         await amqp.declare_topology(publish_channel)
-        dispatcher = Dispatcher(settings, idx, publish_channel, stopping)
-        wake_channel = idx.keys.wake_channel
+        dispatcher = Dispatcher(settings, connections.index, publish_channel, stopping)
+        wake_channel = connections.index.keys.wake_channel
 
         async def wake(shard: int, fire_ms: int) -> None:
             dispatcher.wake(fire_ms)
             with contextlib.suppress(*transient.ERRORS):
                 await pubsub_client.publish(wake_channel, str(fire_ms))
 
-        command_channel = await connection.channel(publisher_confirms=True)
+        command_channel = await connections.amqp.channel(publisher_confirms=True)
         await command_channel.set_qos(prefetch_count=settings.commands_prefetch)
-        intake = Intake(settings, store, idx, command_channel, wake, stopping)
-        self.deps = Dependencies(
-            {
-                "redis": idx.client.ping,
-                "postgres": store.ping,
-                "rabbitmq": lambda: _amqp_open(connection),
-            }
+        intake = Intake(
+            settings, connections.store, connections.index, command_channel, wake, stopping
         )
-        tasks.start("dependencies", self.deps.watch(stopping))
         tasks.start("claim-loop", dispatcher.run())
         tasks.start(
             "wake-listener", _listen_for_wakes(pubsub_client, wake_channel, dispatcher, stopping)
@@ -112,23 +83,22 @@ class DispatcherService:
         self.consuming = True
         log.info("dispatcher ready", extra={"action": "ready", "shards": settings.shards})
         await stopping.wait()
+        await self._shut_down(queue, consumer_tag, tasks)
+
+    async def _shut_down(self, queue: AbstractQueue, consumer_tag: str, tasks: Tasks) -> None:
+        """Stop taking commands and claiming; finish the commands and publishes under way."""
         self.consuming = False
         with contextlib.suppress(*transient.ERRORS):
             await queue.cancel(consumer_tag)
         if self._commands:
-            await asyncio.wait(self._commands, timeout=settings.shutdown_grace_s)
-        await tasks.wait_all(settings.shutdown_grace_s)
-
-
-async def _amqp_open(connection: AbstractRobustConnection) -> None:
-    if connection.is_closed:
-        raise ConnectionError("RabbitMQ connection is closed")
+            await asyncio.wait(self._commands, timeout=self.settings.shutdown_grace_s)
+        await tasks.wait_all(self.settings.shutdown_grace_s)
 
 
 async def _listen_for_wakes(
     client: aioredis.Redis, channel: str, dispatcher: Dispatcher, stopping: asyncio.Event
 ) -> None:
-    """Wake-ups published by intakes in other dispatcher processes."""
+    """Wake-ups published by intakes and executors in other processes."""
     while not stopping.is_set():
         try:
             async with client.pubsub() as pubsub:

@@ -90,6 +90,8 @@ class Executor:
             max_items=BATCH_ITEMS,
             name="complete",
         )
+        #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
+        self._holding: dict[tuple[int, str], int] = {}
         self._retry = Batcher(
             self._flush_retry,
             max_delay_ms=settings.complete_flush_ms,
@@ -179,6 +181,7 @@ class Executor:
         if not current:
             metrics.STALE.labels("begin").inc()
             return
+        self._holding[(occ.shard, occ.member)] = occ.token
         key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
         chosen = settle.missed_choice(occ, self.now_ms())
         if chosen != occ.nominal_ms:
@@ -252,6 +255,7 @@ class Executor:
             )
             if code:
                 metrics.RETRIES.inc()
+        self._holding.pop((occ.shard, occ.member), None)
         if not code:
             # Reclaimed or revoked while we delivered: another message carries it now.
             metrics.STALE.labels("complete").inc()
@@ -281,6 +285,23 @@ class Executor:
                 "retry_in_ms": settlement.retry_delay_ms,
             },
         )
+
+    async def release_abandoned(self) -> int:
+        """Occurrences begun but cut off by shutdown go back to due at once (release.lua)."""
+        if not self._holding:
+            return 0
+        by_shard: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        for (shard, member), token in self._holding.items():
+            by_shard[shard].append((member, token))
+        self._holding.clear()
+        with contextlib.suppress(*transient.ERRORS):
+            codes = await self.index.release(dict(by_shard))
+            released = sum(sum(c) for c in codes.values())
+            log.info(
+                "occurrences handed back", extra={"action": "released", "occurrences": released}
+            )
+            return released
+        return 0
 
     async def drain(self) -> None:
         for batcher in (self._begin, self._complete, self._retry):

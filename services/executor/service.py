@@ -6,16 +6,15 @@ import asyncio
 import contextlib
 import logging
 
-from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.executor import Executor
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import amqp, db, index, keys, transient
+from shared import amqp, keys, transient
 from shared.config import ExecutorSettings
-from shared.service import Dependencies, Tasks
-from shared.store import Store
+from shared.service import Connections, Tasks
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +24,13 @@ class ExecutorService:
 
     def __init__(self, settings: ExecutorSettings) -> None:
         self.settings = settings
-        self.deps: Dependencies | None = None
+        self.connections = Connections(settings, self.name, amqp=True)
         self.tasks: Tasks | None = None
         self.consuming = False
         self._messages: set[asyncio.Task[None]] = set()
 
     def readiness(self) -> dict[str, bool]:
-        status = dict(self.deps.status) if self.deps else {}
+        status = dict(self.connections.dependencies.status)
         status["consuming"] = self.consuming
         # Deliveries go on while PostgreSQL is away (rows wait in memory): not a reason to
         # take this executor out of service.
@@ -42,67 +41,38 @@ class ExecutorService:
         return self.tasks is None or self.tasks.alive()
 
     async def run(self, stopping: asyncio.Event) -> None:
-        settings = self.settings
+        settings, connections = self.settings, self.connections
         tasks = self.tasks = Tasks(stopping)
-        if settings.migrate_on_start:
-            await transient.retry(
-                lambda: db.migrate(settings.database_url), what="migrate", stopping=stopping
-            )
-        redis = index.connect(settings)
-        idx = index.Index(redis, keys.RedisKeys(settings.redis_prefix), settings.shards)
-        await transient.retry(idx.load_scripts, what="redis", stopping=stopping)
-        store = await transient.retry(
-            lambda: Store.open(settings.database_url), what="postgres", stopping=stopping
-        )
-        connection = await transient.retry(
-            lambda: amqp.connect(settings.amqp_url, "cronbus-executor"),
-            what="rabbitmq",
-            stopping=stopping,
-        )
         webhooks = Webhooks(settings.http_connections_per_host)
-        audit = AuditWriter(store, settings.audit_flush_ms, settings.audit_buffer_max)
+        audit: AuditWriter | None = None
         try:
+            await connections.open(stopping, tasks)
+            audit = AuditWriter(
+                connections.store, settings.audit_flush_ms, settings.audit_buffer_max
+            )
             executor = Executor(
                 settings,
-                idx,
+                connections.index,
                 webhooks,
-                AmqpTargets(connection),
+                AmqpTargets(connections.amqp),
                 audit,
-                Events(connection, settings.events),
+                Events(connections.amqp, settings.events),
                 stopping,
             )
-            await self._serve(stopping, tasks, executor, idx, store, connection, audit)
+            await self._serve(stopping, tasks, executor, audit)
         finally:
-            left = await audit.close(timeout_s=5)
-            if left:
-                log.error("execution rows not written", extra={"rows": left})
+            if audit is not None:
+                await audit.close(timeout_s=5)
             await webhooks.close()
-            await connection.close()
-            await store.close()
-            await redis.aclose()
+            await connections.close()
 
     async def _serve(
-        self,
-        stopping: asyncio.Event,
-        tasks: Tasks,
-        executor: Executor,
-        idx: index.Index,
-        store: Store,
-        connection: AbstractRobustConnection,
-        audit: AuditWriter,
+        self, stopping: asyncio.Event, tasks: Tasks, executor: Executor, audit: AuditWriter
     ) -> None:
         settings = self.settings
-        channel = await connection.channel(publisher_confirms=True)
+        channel = await self.connections.amqp.channel(publisher_confirms=True)
         await amqp.declare_topology(channel)
         await channel.set_qos(prefetch_count=settings.prefetch)
-        self.deps = Dependencies(
-            {
-                "redis": idx.client.ping,
-                "postgres": store.ping,
-                "rabbitmq": lambda: _amqp_open(connection),
-            }
-        )
-        tasks.start("dependencies", self.deps.watch(stopping))
         tasks.start("audit-writer", audit.run(stopping))
         queue = await channel.get_queue(keys.DELIVERIES_QUEUE, ensure=False)
 
@@ -118,12 +88,13 @@ class ExecutorService:
         await self._shut_down(queue, consumer_tag, executor)
         await tasks.wait_all(5)
 
-    async def _shut_down(self, queue: object, consumer_tag: str, executor: Executor) -> None:
+    async def _shut_down(self, queue: AbstractQueue, consumer_tag: str, executor: Executor) -> None:
         """Stop consuming, finish in-flight deliveries within the grace period, and hand the
-        rest back to the broker (their leases are revoked by the redelivery's fencing)."""
+        rest back: messages not started go back to the broker, occurrences cut off mid-way go
+        straight back to due (so nothing stays leased until the sweeper notices)."""
         self.consuming = False
         with contextlib.suppress(*transient.ERRORS):
-            await queue.cancel(consumer_tag)  # type: ignore[attr-defined]
+            await queue.cancel(consumer_tag)
         if self._messages:
             log.info(
                 "finishing deliveries in flight",
@@ -135,8 +106,4 @@ class ExecutorService:
             if pending:
                 await asyncio.wait(pending, timeout=5)
         await executor.drain()
-
-
-async def _amqp_open(connection: AbstractRobustConnection) -> None:
-    if connection.is_closed:
-        raise ConnectionError("RabbitMQ connection is closed")
+        await executor.release_abandoned()
