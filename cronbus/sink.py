@@ -59,6 +59,8 @@ class Sink:
     on_receive: Callable[[Received], None] | None = None
     #: Keep what was received (a benchmark may only count).
     keep: bool = True
+    #: Answer every request this long after it arrived (a slow target).
+    delay_s: float = 0.0
     received: list[Received] = field(default_factory=list)
     count: int = 0
     port: int = 0
@@ -133,7 +135,7 @@ class _Protocol(asyncio.Protocol):
         end = self.buffer.find(b"\r\n\r\n")
         if end < 0:
             if len(self.buffer) > MAX_HEAD:
-                self._reply(400, close=True)
+                self._reply(400, True)
             return False
         lines = bytes(self.buffer[:end]).decode("latin-1").split("\r\n")
         method, path, _ = [*lines[0].split(" ", 2), "", ""][:3]
@@ -147,11 +149,16 @@ class _Protocol(asyncio.Protocol):
         body = bytes(self.buffer[end + 4 : end + 4 + length])
         del self.buffer[: end + 4 + length]
         status = self.sink.record(Received(time.time() * 1000, method, path, headers, body))
-        self._reply(status, close=headers.get("connection", "").lower() == "close")
+        close = headers.get("connection", "").lower() == "close"
+        if self.sink.delay_s > 0:
+            # The same delay for every request keeps the replies in request order.
+            asyncio.get_running_loop().call_later(self.sink.delay_s, self._reply, status, close)
+        else:
+            self._reply(status, close)
         return True
 
-    def _reply(self, status: int, *, close: bool = False) -> None:
-        if self.transport is None:
+    def _reply(self, status: int, close: bool = False) -> None:
+        if self.transport is None or self.transport.is_closing():
             return
         reason = _REASONS.get(status, "Status")
         connection = b"close" if close else b"keep-alive"

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
 
 from shared import keys
 
@@ -16,12 +16,17 @@ log = logging.getLogger(__name__)
 #: occurrences are still leased in Redis, so the sweeper publishes them again).
 DELIVERY_LIMIT = 20
 DELIVERIES_ROUTING_KEY = "deliver"
+#: How soon a lost connection is tried again (aio-pika's default is 5 s).
+RECONNECT_INTERVAL_S = 1.0
 
 
 async def connect(url: str, name: str) -> AbstractRobustConnection:
     """A connection that reconnects by itself, named so operators can tell who is who."""
     connection = await aio_pika.connect_robust(
-        url, client_properties={"connection_name": name}, timeout=10
+        url,
+        client_properties={"connection_name": name},
+        timeout=10,
+        reconnect_interval=RECONNECT_INTERVAL_S,
     )
     return connection
 
@@ -40,31 +45,45 @@ async def declare_topology(channel: AbstractChannel) -> None:
     commands = await channel.declare_exchange(
         keys.COMMANDS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
     )
-    commands_queue = await channel.declare_queue(
-        keys.COMMANDS_QUEUE,
-        durable=True,
-        arguments=keys.quorum_queue_arguments(keys.COMMANDS_QUEUE),
-    )
+    commands_queue = await commands_queue_of(channel)
     await commands_queue.bind(commands, routing_key="#")
 
     deliveries = await channel.declare_exchange(
         keys.DELIVERIES_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
     )
-    deliveries_queue = await channel.declare_queue(
-        keys.DELIVERIES_QUEUE,
-        durable=True,
-        arguments=keys.quorum_queue_arguments(keys.DELIVERIES_QUEUE, delivery_limit=DELIVERY_LIMIT),
-    )
+    deliveries_queue = await deliveries_queue_of(channel)
     await deliveries_queue.bind(deliveries, routing_key=DELIVERIES_ROUTING_KEY)
 
     await channel.declare_exchange(keys.EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
 
 
+async def commands_queue_of(channel: AbstractChannel) -> AbstractQueue:
+    """The commands queue, declared on ``channel`` so that a robust channel restores it (and
+    its consumers) after a reconnect."""
+    return await channel.declare_queue(
+        keys.COMMANDS_QUEUE,
+        durable=True,
+        arguments=keys.quorum_queue_arguments(keys.COMMANDS_QUEUE),
+    )
+
+
+async def deliveries_queue_of(channel: AbstractChannel) -> AbstractQueue:
+    return await channel.declare_queue(
+        keys.DELIVERIES_QUEUE,
+        durable=True,
+        arguments=keys.quorum_queue_arguments(keys.DELIVERIES_QUEUE, delivery_limit=DELIVERY_LIMIT),
+    )
+
+
 async def ready_messages(channel: AbstractChannel, queue: str) -> int:
-    """Messages waiting (ready, not yet delivered to a consumer) in a queue."""
-    declared = await channel.declare_queue(queue, passive=True)
-    count = declared.declaration_result.message_count
-    return int(count or 0)
+    """Messages waiting (ready, not yet delivered to a consumer) in a queue.
+
+    Asked on the underlying channel: a passive declare on a robust channel would be recorded
+    and replayed at every reconnect, one more each time it is asked.
+    """
+    underlay = await channel.get_underlay_channel()
+    declared = await underlay.queue_declare(queue, passive=True)
+    return int(declared.message_count or 0)
 
 
 async def dead_letter(

@@ -37,7 +37,7 @@ async def ensure_database(url: str) -> bool:
             return False
         try:
             await conn.execute(f'CREATE DATABASE "{name.replace(chr(34), "")}"')
-        except asyncpg.DuplicateDatabaseError:
+        except (asyncpg.DuplicateDatabaseError, asyncpg.UniqueViolationError):
             return False  # another migrator won the race
         return True
     finally:

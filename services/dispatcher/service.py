@@ -12,7 +12,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.intake import Intake
-from shared import amqp, keys, transient
+from shared import amqp, transient
 from shared.config import DispatcherSettings
 from shared.service import Connections, Tasks
 
@@ -72,7 +72,7 @@ class DispatcherService:
             "wake-listener", _listen_for_wakes(pubsub_client, wake_channel, dispatcher, stopping)
         )
         tasks.start("backlog-report", dispatcher.report_backlog())
-        queue = await command_channel.get_queue(keys.COMMANDS_QUEUE, ensure=False)
+        queue = await amqp.commands_queue_of(command_channel)
 
         async def on_command(message: AbstractIncomingMessage) -> None:
             task = asyncio.create_task(intake.handle(message), name="command")

@@ -12,7 +12,7 @@ from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.executor import Executor
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import amqp, keys, transient
+from shared import amqp, transient
 from shared.config import ExecutorSettings
 from shared.service import Connections, Tasks
 
@@ -74,7 +74,7 @@ class ExecutorService:
         await amqp.declare_topology(channel)
         await channel.set_qos(prefetch_count=settings.prefetch)
         tasks.start("audit-writer", audit.run(stopping))
-        queue = await channel.get_queue(keys.DELIVERIES_QUEUE, ensure=False)
+        queue = await amqp.deliveries_queue_of(channel)
 
         async def on_delivery(message: AbstractIncomingMessage) -> None:
             task = asyncio.create_task(executor.handle(message), name="delivery")
