@@ -296,13 +296,13 @@ async def test_sigterm_under_load_loses_nothing_and_leaves_no_lease(
     await asyncio.sleep(2)
     assert await stack.stop(second) == 0, second.tail()
     lost, duplicates = workload.check(sink, stopped_ms - 1000)
-    client = aioredis.Redis.from_url(env["CRONBUS_REDIS_URL"])
+    redis = aioredis.Redis.from_url(env["CRONBUS_REDIS_URL"])
     try:
         leases = sum(
-            [await client.zcard(f"{env['CRONBUS_REDIS_PREFIX']}:{{{s}}}:lease") for s in range(4)]
+            [await redis.zcard(f"{env['CRONBUS_REDIS_PREFIX']}:{{{s}}}:lease") for s in range(4)]
         )
     finally:
-        await client.aclose()
+        await redis.aclose()
     print(
         f"\nchaos SIGTERM each service: lost {lost}, duplicates {duplicates}, "
         f"leases left {leases}, drained {recovery_s:.1f}s after the dispatcher stopped"
