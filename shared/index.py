@@ -7,6 +7,7 @@ one pipeline.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -171,6 +172,18 @@ class Index:
         return results
 
     async def _execute(self, calls: Sequence[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        if isinstance(self.client, RedisCluster):
+            # redis-py does not pipeline EVALSHA on a cluster: the calls go concurrently
+            # instead, each to the node that owns its shard's slot.
+            return list(
+                await asyncio.gather(
+                    *(
+                        lua.call(self.client, name, call_keys, args)
+                        for name, call_keys, args in calls
+                    ),
+                    return_exceptions=True,
+                )
+            )
         pipe = self.client.pipeline(transaction=False)
         for name, call_keys, args in calls:
             lua.queue(pipe, name, call_keys, args)
