@@ -59,6 +59,9 @@ class DispatcherSettings(CommonSettings):
     deliveries_high_water: int = Field(default=500, ge=1)
     #: Longest sleep between claims when nothing is due sooner.
     max_sleep_s: float = Field(default=1.0, gt=0, le=60)
+    #: Lease of a dispatcher on the shards it claims from; several dispatchers split the
+    #: shards and a dead one's are taken over after this long (0: claim from every shard).
+    shard_lease_s: float = Field(default=5, ge=0, le=300)
     #: Unacknowledged commands the intake works on at once.
     commands_prefetch: int = Field(default=32, ge=1, le=10_000)
     #: Comma-separated host globs webhook targets may call.

@@ -304,6 +304,19 @@ class Index:
         replies = await self._pipeline(calls)
         return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
 
+    async def own(
+        self,
+        shards: Iterable[int],
+        dispatcher_id: str,
+        ttl_ms: int,
+        mode: Literal["acquire", "renew", "release"],
+    ) -> dict[int, bool]:
+        """Per shard, whether ``dispatcher_id`` holds its lease after the call (own.lua)."""
+        order = list(shards)
+        calls = [("own", [self.keys.shard_owner(s)], [dispatcher_id, ttl_ms, mode]) for s in order]
+        replies = await self._pipeline(calls) if calls else []
+        return {s: bool(int(r)) for s, r in zip(order, replies, strict=True)}
+
     async def add_trigger(self, shard: int, member: str, fire_ms: int) -> None:
         await self.client.zadd(self.keys.due(shard), {member: fire_ms}, nx=True)
 

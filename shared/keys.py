@@ -71,6 +71,11 @@ class RedisKeys:
         return f"{self.prefix}:{{{shard}}}:owner"
 
     @property
+    def dispatchers(self) -> str:
+        """ZSET dispatcher id -> last heartbeat (ms): how many share the shards."""
+        return f"{self.prefix}:meta:dispatchers"
+
+    @property
     def epoch(self) -> str:
         """STRING set when the index is complete; missing means Redis lost data."""
         return f"{self.prefix}:meta:epoch"

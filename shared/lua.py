@@ -18,17 +18,6 @@ from redis import exceptions as redis_errors
 
 from shared.errors import LuaScriptError, StaleWriteError
 
-SCRIPT_NAMES = (
-    "claim",
-    "begin",
-    "complete",
-    "retry",
-    "release",
-    "reclaim",
-    "upsert",
-    "remove",
-)
-
 
 class Code(enum.IntEnum):
     """Per-item results the scripts return."""
@@ -71,8 +60,9 @@ def _key_count(source: str) -> int:
 @functools.cache
 def scripts() -> dict[str, Script]:
     found = {}
-    for name in SCRIPT_NAMES:
-        source = (lua_dir() / f"{name}.lua").read_text()
+    for path in sorted(lua_dir().glob("*.lua")):
+        name = path.stem
+        source = path.read_text()
         sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
         found[name] = Script(name, source, sha, _key_count(source))
     return found

@@ -49,6 +49,11 @@ class Dispatcher:
         self._sleep_until_ms: float = 0
         self._redis_offset_ms = 0.0
 
+    def use_shards(self, shards: list[int]) -> None:
+        """The shard leases changed: claim from these from now on."""
+        self.shards = list(shards)
+        self.wake_event.set()
+
     def wake(self, fire_ms: int) -> None:
         """A schedule is due at ``fire_ms``: wake the loop if it sleeps past it."""
         if fire_ms <= self._redis_now_ms() + 1 or fire_ms < self._sleep_until_ms:
@@ -59,7 +64,6 @@ class Dispatcher:
 
     async def run(self) -> None:
         self._exchange = await self.channel.get_exchange(keys.DELIVERIES_EXCHANGE, ensure=False)
-        metrics.SHARDS_OWNED.set(len(self.shards))
         while not self.stopping.is_set():
             try:
                 await self.step()
@@ -177,11 +181,13 @@ class Dispatcher:
         while not self.stopping.is_set():
             with contextlib.suppress(*transient.ERRORS):
                 now_ms = int(self._redis_now_ms())
+                shards = list(self.shards)  # only the ones this dispatcher claims from
                 pipe = self.index.client.pipeline(transaction=False)
-                for shard in range(self.settings.shards):
+                for shard in shards:
                     pipe.zcount(self.index.keys.due(shard), "-inf", now_ms)
                 counts = await pipe.execute()
-                for shard, count in enumerate(counts):
+                metrics.DUE_BACKLOG.clear()
+                for shard, count in zip(shards, counts, strict=True):
                     metrics.DUE_BACKLOG.labels(str(shard)).set(count)
             await self._pause_backlog(5.0)
 

@@ -12,7 +12,8 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.intake import Intake
-from shared import amqp, transient
+from services.dispatcher.leases import ShardLeases
+from shared import amqp, metrics, transient
 from shared.config import DispatcherSettings
 from shared.service import Connections, Tasks
 
@@ -67,6 +68,17 @@ class DispatcherService:
         intake = Intake(
             settings, connections.store, connections.index, command_channel, wake, stopping
         )
+        if settings.shard_lease_s > 0:
+            dispatcher.shards = []  # until the first leases are taken
+            leases = ShardLeases(
+                connections.index,
+                settings.shards,
+                settings.shard_lease_s,
+                on_change=dispatcher.use_shards,
+            )
+            tasks.start("shard-leases", leases.run(stopping))
+        else:
+            metrics.SHARDS_OWNED.set(settings.shards)
         tasks.start("claim-loop", dispatcher.run())
         tasks.start(
             "wake-listener", _listen_for_wakes(pubsub_client, wake_channel, dispatcher, stopping)

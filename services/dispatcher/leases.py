@@ -1,0 +1,120 @@
+"""Shard leases: several dispatchers split the shards so each shard has one active claimer.
+
+Every dispatcher announces itself in a registry with a heartbeat, computes its fair share
+(shards / live dispatchers, rounded up), renews the leases it holds, gives back any beyond
+its share and takes free ones up to it. A dead dispatcher's leases expire and the others
+take its shards over. Leases only spread the work: claim.lua is atomic, so even two owners
+of one shard (a lease that expired mid-claim) never double a fire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+
+from shared import metrics, transient
+from shared.index import Index
+
+log = logging.getLogger(__name__)
+
+
+def fair_share(shards: int, dispatchers: int) -> int:
+    return math.ceil(shards / max(dispatchers, 1))
+
+
+def search_order(shards: int, dispatcher_id: str) -> list[int]:
+    """Shards in the order this dispatcher tries to take them: each starts somewhere else,
+    so dispatchers starting together do not all race for shard 0."""
+    start = zlib.crc32(dispatcher_id.encode()) % shards
+    return [(start + i) % shards for i in range(shards)]
+
+
+def moves(owned: set[int], order: list[int], share: int) -> tuple[list[int], list[int]]:
+    """(shards to give back, shards to try to take) to bring ``owned`` to ``share``."""
+    if len(owned) > share:
+        extra = sorted(owned, key=order.index)[share:]
+        return extra, []
+    return [], [s for s in order if s not in owned]
+
+
+class ShardLeases:
+    def __init__(
+        self,
+        index: Index,
+        shards: int,
+        ttl_s: float,
+        on_change: Callable[[list[int]], None],
+        dispatcher_id: str | None = None,
+    ) -> None:
+        self.index = index
+        self.shards = shards
+        self.ttl_ms = round(ttl_s * 1000)
+        self.on_change = on_change
+        self.id = dispatcher_id or uuid.uuid4().hex
+        self.owned: set[int] = set()
+        self.order = search_order(shards, self.id)
+
+    async def live_dispatchers(self) -> int:
+        """Heartbeat in the registry; drop the ones silent for longer than a lease."""
+        now = int(time.time() * 1000)
+        pipe = self.index.client.pipeline(transaction=False)
+        pipe.zadd(self.index.keys.dispatchers, {self.id: now})
+        pipe.zremrangebyscore(self.index.keys.dispatchers, "-inf", now - self.ttl_ms)
+        pipe.zcard(self.index.keys.dispatchers)
+        results = await pipe.execute()
+        return int(results[-1])
+
+    async def balance(self) -> list[int]:
+        """One round: renew, give back or take, and return the shards held now."""
+        share = fair_share(self.shards, await self.live_dispatchers())
+        renewed = await self.index.own(sorted(self.owned), self.id, self.ttl_ms, "renew")
+        owned = {s for s, mine in renewed.items() if mine}
+        give_back, candidates = moves(owned, self.order, share)
+        if give_back:
+            await self.index.own(give_back, self.id, self.ttl_ms, "release")
+            owned -= set(give_back)
+        for shard in candidates:
+            if len(owned) >= share:
+                break
+            taken = await self.index.own([shard], self.id, self.ttl_ms, "acquire")
+            if taken[shard]:
+                owned.add(shard)
+        self._update(owned)
+        return sorted(owned)
+
+    def _update(self, owned: set[int]) -> None:
+        if owned != self.owned:
+            log.info(
+                "shard leases changed",
+                extra={"action": "shards_owned", "shards": sorted(owned), "dispatcher": self.id},
+            )
+            self.owned = owned
+            self.on_change(sorted(owned))
+        metrics.SHARDS_OWNED.set(len(owned))
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Balance a few times per lease period until stopping, then hand the shards back."""
+        interval = self.ttl_ms / 1000 / 4
+        while not stopping.is_set():
+            try:
+                await self.balance()
+            except transient.ERRORS as exc:
+                log.warning(
+                    "shard leases wait for Redis",
+                    extra={"action": "leases_wait", "error": repr(exc)},
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), interval)
+        await self.release_all()
+
+    async def release_all(self) -> None:
+        with contextlib.suppress(*transient.ERRORS):
+            await self.index.own(sorted(self.owned), self.id, self.ttl_ms, "release")
+            await self.index.client.zrem(self.index.keys.dispatchers, self.id)
+        self._update(set())
