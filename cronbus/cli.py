@@ -14,9 +14,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
-from cronbus import bench, commands, dev, importer
+from cronbus import bench, commands, dev, importer, procs
 from cronbus import preview as preview_cmd
 from cronbus.common import CliError
+from shared.config import DispatcherSettings, ExecutorSettings, SweeperSettings
 
 Handler = Callable[[argparse.Namespace], int]
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -84,6 +85,12 @@ def _add_operations(sub: Subparsers) -> None:
     p.set_defaults(handler=_migrate)
     p = sub.add_parser("run", help="run one service (same as python -m services.NAME)")
     p.add_argument("service", choices=SERVICES)
+    p.add_argument(
+        "--processes",
+        default="1",
+        help="how many processes of it to run: a number, or 'auto' for one per "
+        "core (metrics ports count up from CRONBUS_METRICS_PORT)",
+    )
     p.set_defaults(handler=_run_service)
     p = sub.add_parser("dev", help="run migrations and all three services locally")
     p.add_argument(
@@ -109,7 +116,6 @@ def _migrate(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415
 
     from shared import db, transient  # noqa: PLC0415
-    from shared.config import SweeperSettings  # noqa: PLC0415
 
     settings = SweeperSettings()
     try:
@@ -123,6 +129,19 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _run_service(args: argparse.Namespace) -> int:
+    if args.processes == "auto":
+        count = os.cpu_count() or 1
+    elif args.processes.isdigit() and int(args.processes) >= 1:
+        count = int(args.processes)
+    else:
+        raise CliError(f"--processes: {args.processes!r} is not a number >= 1 or 'auto'")
+    if count > 1:
+        settings = {
+            "dispatcher": DispatcherSettings,
+            "executor": ExecutorSettings,
+            "sweeper": SweeperSettings,
+        }[args.service]()
+        return procs.supervise(args.service, count, settings.metrics_port)
     sys.argv = [f"services.{args.service}"]
     runpy.run_module(f"services.{args.service}", run_name="__main__", alter_sys=True)
     return 0

@@ -101,3 +101,40 @@ def stop_all(processes: list[ServiceProcess], timeout_s: float = 30) -> None:
         except subprocess.TimeoutExpired:
             process.popen.kill()
             process.popen.wait()
+
+
+def supervise(name: str, count: int, base_port: int) -> int:
+    """Run ``count`` processes of a service (metrics ports ``base_port`` + i), restarting one
+    that dies, until SIGTERM or SIGINT, which is passed on to all of them."""
+    stopping = False
+
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            child.signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+    def launch(i: int) -> ServiceProcess:
+        port = base_port + i if base_port else 0
+        popen = subprocess.Popen(
+            [sys.executable, "-m", f"services.{name}"],
+            env={**os.environ, "CRONBUS_METRICS_PORT": str(port)},
+        )
+        return ServiceProcess(name, popen, port, Path(os.devnull))
+
+    children = [launch(i) for i in range(count)]
+    restarts = [0.0] * count
+    while not stopping:
+        time.sleep(0.5)
+        for i, child in enumerate(children):
+            if child.alive() or stopping:
+                continue
+            # A crash is restarted, at most once every few seconds.
+            if time.monotonic() - restarts[i] > 5:
+                restarts[i] = time.monotonic()
+                children[i] = launch(i)
+    codes = [child.popen.wait() for child in children]
+    return max(codes, default=0)

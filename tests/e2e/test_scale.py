@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from cronbus.client import CommandClient
+from cronbus.procs import ServiceProcess
 from cronbus.sink import Sink
 from shared import schedule, timefmt
+from tests.support import services
 from tests.support.stack import Stack
 
 
@@ -65,3 +71,32 @@ async def test_dispatchers_share_shards_and_survive_one_dying(
     assert len(before_kill) == len({(r.path, r.fire_time) for r in before_kill})
     survivor = stack.running("dispatcher")[0]
     assert shards_owned((await asyncio.to_thread(survivor.get, "/metrics"))[1]) == 4
+
+
+async def test_one_executor_per_core_with_a_single_command(
+    stack_env: dict[str, str], stack: Stack
+) -> None:
+    base = services.free_port()
+    while services.port_open("127.0.0.1", base + 1):
+        base = services.free_port()
+    env = {**os.environ, **stack_env, "CRONBUS_METRICS_PORT": str(base)}
+    parent = subprocess.Popen(  # noqa: ASYNC220 - started once, waited on in a thread
+        [str(Path(sys.executable).parent / "cronbus"), "run", "executor", "--processes", "2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        children = [
+            ServiceProcess("executor", parent, port, Path(os.devnull)) for port in (base, base + 1)
+        ]
+        for child in children:
+            await child.wait_ready(30)
+        parent.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(parent.wait, 30) == 0
+        for child in children:
+            assert (await asyncio.to_thread(child.get, "/healthz"))[0] == 0  # gone
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
