@@ -68,7 +68,7 @@ class CommandClient:
                 content_type=content_type,
                 correlation_id=correlation_id,
                 reply_to=self._replies.name if reply else None,
-                message_id=message_id,
+                message_id=message_id or uuid.uuid4().hex,
                 app_id=self.app_id,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),
@@ -85,7 +85,11 @@ class CommandClient:
         timeout_s: float = 30,
         message_id: str | None = None,
     ) -> dict[str, Any]:
-        """Publish one command and wait for its reply."""
+        """Publish one command and wait for its reply.
+
+        Each command gets a fresh ``message_id`` (unless one is given): if the broker delivers
+        it twice, cronbus answers the second time instead of applying it again.
+        """
         waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         correlation_id = uuid.uuid4().hex
         self._waiting[correlation_id] = waiter
@@ -98,7 +102,7 @@ class CommandClient:
                 content_type="application/json",
                 correlation_id=correlation_id,
                 reply_to=self._replies.name,
-                message_id=message_id,
+                message_id=message_id or uuid.uuid4().hex,
                 app_id=self.app_id,
             ),
             routing_key=keys.command_routing_key(namespace, verb),

@@ -317,6 +317,11 @@ class Index:
         replies = await self._pipeline(calls) if calls else []
         return {s: bool(int(r)) for s, r in zip(order, replies, strict=True)}
 
+    async def knows(self, shard: int, member: str) -> bool:
+        """Whether the member is due, in flight or has an occurrence state in the index."""
+        due, lease, occ = await self.position(shard, member)
+        return due is not None or lease is not None or occ is not None
+
     async def add_trigger(self, shard: int, member: str, fire_ms: int) -> None:
         await self.client.zadd(self.keys.due(shard), {member: fire_ms}, nx=True)
 

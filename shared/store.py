@@ -94,6 +94,7 @@ class CommandAudit:
     app_id: str | None = None
     message_id: str | None = None
     correlation_id: str | None = None
+    reply: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -276,6 +277,23 @@ class Store:
             audit.outcome,
             audit.error,
             audit.version,
+            audit.reply,
+        )
+
+    async def applied_reply(
+        self, namespace: str, verb: str, message_id: str
+    ) -> dict[str, Any] | None:
+        """The reply of a command already applied under this message id, if any."""
+        reply: dict[str, Any] | None = await self.pool.fetchval(
+            QUERIES["applied_reply"], namespace, verb, message_id
+        )
+        return reply
+
+    async def execution_exists(self, namespace: str, schedule_id: str, nominal_ms: int) -> bool:
+        return bool(
+            await self.pool.fetchval(
+                QUERIES["execution_exists"], namespace, schedule_id, nominal_ms
+            )
         )
 
     # --- the firing path (batched) ------------------------------------------------------------

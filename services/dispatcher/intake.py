@@ -296,6 +296,9 @@ class Intake:
             message_id=meta.message_id,
             correlation_id=meta.correlation_id,
         )
+        replayed = await self._replayed(namespace, verb, meta)
+        if replayed is not None:
+            return replayed
         if isinstance(command, models.UpsertCommand):
             return await self.upsert(namespace, command, audit)
         if isinstance(command, models.ListCommand):
@@ -358,9 +361,10 @@ class Intake:
                     placement.next_nominal,
                 ),
             )
-            await self.store.record_command(dataclasses.replace(audit, version=version), conn)
+            reply = {"ok": True, "created": not live, "schedule": view(row, now)}
+            await self._record(conn, audit, version, reply)
         await self._index(namespace, item.id, plan, placement)
-        return {"ok": True, "created": not live, "schedule": view(row, now)}
+        return reply
 
     async def delete(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
         now = self.now_ms()
@@ -384,10 +388,12 @@ class Intake:
                     None,
                 ),
             )
-            await self.store.record_command(dataclasses.replace(audit, version=version), conn)
+            reply = {"ok": True, "schedule": view(row, now)}
+            await self._record(conn, audit, version, reply)
         shard = self.index.shard_of(namespace, schedule_id)
-        await self.index.remove({shard: [(keys.member(namespace, schedule_id), version)]})
-        return {"ok": True, "schedule": view(row, now)}
+        member = keys.member(namespace, schedule_id)
+        await self._write_index(lambda: self.index.remove({shard: [(member, version)]}))
+        return reply
 
     async def pause(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
         return await self._change_state(namespace, schedule_id, audit, paused=True)
@@ -403,10 +409,9 @@ class Intake:
             old = await self._existing(conn, namespace, schedule_id)
             if old.state == "completed" or (old.state == "paused") == paused:
                 # Already where the command asks it to be: nothing changes, no new version.
-                await self.store.record_command(
-                    dataclasses.replace(audit, version=old.version), conn
-                )
-                return {"ok": True, "unchanged": True, "schedule": view(old, now)}
+                unchanged = {"ok": True, "unchanged": True, "schedule": view(old, now)}
+                await self._record(conn, audit, old.version, unchanged)
+                return unchanged
             version = old.version + 1
             plan = dataclasses.replace(compact.decode(old.compact), version=version)
             current = _current_of(old)
@@ -430,9 +435,10 @@ class Intake:
                     placement.next_nominal,
                 ),
             )
-            await self.store.record_command(dataclasses.replace(audit, version=version), conn)
+            reply = {"ok": True, "schedule": view(row, now)}
+            await self._record(conn, audit, version, reply)
         await self._index(namespace, schedule_id, plan, placement)
-        return {"ok": True, "schedule": view(row, now)}
+        return reply
 
     async def trigger(
         self, namespace: str, schedule_id: str, audit: CommandAudit
@@ -440,7 +446,15 @@ class Intake:
         now = self.now_ms()
         async with self.store.transaction() as conn:
             old = await self._existing(conn, namespace, schedule_id)
-            await self.store.record_command(dataclasses.replace(audit, version=old.version), conn)
+            reply = {
+                "ok": True,
+                "schedule": view(old, now),
+                "trigger": {
+                    "fire_time": timefmt.format_ms(now),
+                    "idempotency_key": schedule.idempotency_key(namespace, schedule_id, now),
+                },
+            }
+            await self._record(conn, audit, old.version, reply)
         plan = compact.decode(old.compact)
         shard = self.index.shard_of(namespace, schedule_id)
         # The trigger needs the schedule in the index; make sure it is there without moving
@@ -452,16 +466,10 @@ class Intake:
             else rotation.Placement("paused", "park", None, old.fires, old.last_fire_ms)
         )
         await self._index(namespace, schedule_id, plan, placement)
-        await self.index.add_trigger(shard, keys.trigger_member(namespace, schedule_id, now), now)
+        member = keys.trigger_member(namespace, schedule_id, now)
+        await self._write_index(lambda: self.index.add_trigger(shard, member, now))
         await self.wake(shard, now)
-        return {
-            "ok": True,
-            "schedule": view(old, now),
-            "trigger": {
-                "fire_time": timefmt.format_ms(now),
-                "idempotency_key": schedule.idempotency_key(namespace, schedule_id, now),
-            },
-        }
+        return reply
 
     async def get(self, namespace: str, schedule_id: str) -> dict[str, Any]:
         row = await self.store.get_schedule(namespace, schedule_id)
@@ -486,6 +494,43 @@ class Intake:
         }
 
     # --- helpers ------------------------------------------------------------------------------
+
+    async def _record(
+        self, conn: Any, audit: CommandAudit, version: int, reply: dict[str, Any]
+    ) -> None:
+        """The audit row, with the reply: a redelivery of the command is answered from it."""
+        await self.store.record_command(
+            dataclasses.replace(audit, version=version, reply=reply), conn
+        )
+
+    async def _replayed(self, namespace: str, verb: str, meta: Meta) -> dict[str, Any] | None:
+        """The reply already given to this message (same message_id), if it was applied.
+
+        A command redelivered after a crash between its commit and its ack is answered, not
+        applied twice: a second trigger would be a second run. Should the index write of the
+        first delivery have been lost with the crash, drift repair redoes it for a schedule,
+        and for a trigger it is redone here when no trace of the run exists.
+        """
+        if not meta.message_id or verb in ("get", "list"):
+            return None
+        reply = await self.store.applied_reply(namespace, verb, meta.message_id)
+        if reply is None:
+            return None
+        if verb == "trigger":
+            await self._ensure_trigger(namespace, reply)
+        return {**reply, "duplicate": True}
+
+    async def _ensure_trigger(self, namespace: str, reply: dict[str, Any]) -> None:
+        schedule_id = reply["schedule"]["id"]
+        fire_ms = timefmt.parse_rfc3339_ms(reply["trigger"]["fire_time"])
+        shard = self.index.shard_of(namespace, schedule_id)
+        member = keys.trigger_member(namespace, schedule_id, fire_ms)
+        if await self.index.knows(shard, member):
+            return
+        if await self.store.execution_exists(namespace, schedule_id, fire_ms):
+            return
+        await self.index.add_trigger(shard, member, fire_ms)
+        await self.wake(shard, fire_ms)
 
     async def _existing(self, conn: Any, namespace: str, schedule_id: str) -> ScheduleRow:
         row = await self.store.lock_schedule(conn, namespace, schedule_id)

@@ -44,8 +44,20 @@ LIMIT $5;
 -- record_command --
 -- The audit of one command, whatever its outcome.
 INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
-                      correlation_id, body, outcome, error, version)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10::jsonb, $11);
+                      correlation_id, body, outcome, error, version, reply)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10::jsonb, $11, $12::jsonb);
+
+-- applied_reply --
+-- The reply of a command already applied under a message id (a redelivery is answered).
+SELECT reply FROM commands
+WHERE message_id = $3 AND namespace = $1 AND verb = $2 AND outcome = 'ok'
+ORDER BY seq DESC
+LIMIT 1;
+
+-- execution_exists --
+-- Whether an occurrence left an execution row.
+SELECT EXISTS (SELECT 1 FROM executions
+               WHERE namespace = $1 AND id = $2 AND nominal_at = to_timestamp($3 / 1000.0));
 
 -- write_executions --
 -- A batch of execution rows; a later attempt of the same occurrence replaces an earlier one.

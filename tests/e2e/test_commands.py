@@ -343,3 +343,23 @@ async def test_the_readme_python_example_works_as_written(
     assert reply["ok"] is True
     assert reply["schedule"]["namespace"] == "billing"
     assert reply["schedule"]["id"] == "invoice-42"
+
+
+async def test_a_redelivered_command_is_answered_not_applied_twice(
+    stack: Stack, sink: Sink, client: CommandClient
+) -> None:
+    await stack.start_all(("dispatcher", "executor"))
+    first = await client.send(
+        "acme", "upsert", {"schedule": every(sink, "once-only", 3600)}, message_id="m-upsert-1"
+    )
+    again = await client.send(
+        "acme", "upsert", {"schedule": every(sink, "once-only", 3600)}, message_id="m-upsert-1"
+    )
+    assert first["schedule"]["version"] == again["schedule"]["version"] == 1
+    assert again["duplicate"] is True and "duplicate" not in first
+    trigger = await client.send("acme", "trigger", {"id": "once-only"}, message_id="m-t-1")
+    repeat = await client.send("acme", "trigger", {"id": "once-only"}, message_id="m-t-1")
+    assert repeat["trigger"] == trigger["trigger"] and repeat["duplicate"] is True
+    assert await sink.wait_for(lambda s: len(s.received) >= 1, 10)
+    await asyncio.sleep(1.5)
+    assert [r.fire_time for r in sink.received] == [trigger["trigger"]["fire_time"]]

@@ -67,7 +67,9 @@ CREATE TABLE commands (
     outcome         text        NOT NULL,
     error           jsonb,
     -- The schedule version the command produced.
-    version         bigint
+    version         bigint,
+    -- The reply given (a redelivered command with the same message_id gets it again).
+    reply           jsonb
 );
 
 CREATE INDEX commands_schedule ON commands (namespace, schedule_id, seq);
