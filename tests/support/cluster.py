@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.services import free_port, port_open
+from tests.support.services import port_open
 
 
 @dataclass
@@ -31,6 +32,14 @@ class Cluster:
             )
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    while True:
+        port = random.randint(20_000, 45_000)
+        if not port_open("127.0.0.1", port, 0.2) and not port_open("127.0.0.1", port + 10_000, 0.2):
+            return port
+
+
 def _state_ok(port: int) -> bool:
     out = subprocess.run(
         ["redis-cli", "-p", str(port), "CLUSTER", "INFO"],
@@ -46,7 +55,7 @@ def redis_cluster(masters: int = 3) -> Iterator[Cluster]:
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         raise RuntimeError("redis-server and redis-cli are needed for a Redis Cluster")
     directory = Path(tempfile.mkdtemp(prefix="cbt-cluster-"))
-    ports = [free_port() for _ in range(masters)]
+    ports = [_cluster_port() for _ in range(masters)]
     processes = []
     try:
         for port in ports:
