@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from datetime import UTC, datetime, timedelta
 
@@ -41,8 +42,13 @@ def ms_to_datetime(ms: int) -> datetime:
 
 def format_ms(ms: int) -> str:
     """Epoch ms -> ``2027-01-04T08:00:00Z`` (milliseconds shown only when not zero)."""
-    value = ms_to_datetime(ms)
-    text = value.strftime("%Y-%m-%dT%H:%M:%S")
+    text = _format_second(ms // 1000)
     if ms % 1000:
-        text += f".{ms % 1000:03d}"
+        return f"{text}.{ms % 1000:03d}Z"
     return text + "Z"
+
+
+@functools.lru_cache(maxsize=4096)
+def _format_second(second: int) -> str:
+    # Every delivery formats its fire time, and fire times cluster: format each second once.
+    return ms_to_datetime(second * 1000).strftime("%Y-%m-%dT%H:%M:%S")

@@ -81,9 +81,6 @@ class Executor:
         self.rng = random.Random()
         self.slots = asyncio.Semaphore(settings.concurrency)
         self.lease_ms = round(settings.lease_s * 1000)
-        self._begin = Batcher(
-            self._flush_begin, max_delay_ms=1, max_items=BATCH_ITEMS, name="begin"
-        )
         self._complete = Batcher(
             self._flush_complete,
             max_delay_ms=settings.complete_flush_ms,
@@ -151,7 +148,8 @@ class Executor:
             return
         try:
             await self.audit.wait_for_room()
-            await asyncio.gather(*(self.process(occ) for occ in occurrences))
+            live = await self.begin(occurrences)
+            await asyncio.gather(*(self.process(occ) for occ in live))
         except (transient.Stopped, asyncio.CancelledError) as exc:
             # Handed back: the redelivery's fencing skips whatever was settled already.
             with contextlib.suppress(Exception):
@@ -170,18 +168,27 @@ class Executor:
             # If the ack is lost the broker redelivers, and fencing skips what is settled.
             await message.ack()
 
-    async def process(self, occ: Occurrence) -> None:
-        """Fence, deliver and settle one occurrence (waiting out Redis outages)."""
-        hold_ms = occ.plan.target.timeout_ms + self.lease_ms
-        current = await transient.retry(
-            lambda: self._begin.submit((occ.shard, (occ.member, occ.token, hold_ms))),
-            what="begin",
-            stopping=self.stopping,
+    async def begin(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
+        """Fence a message's occurrences in one round trip: those whose token is still
+        current are held (lease extended for the delivery); the others are stale."""
+        items = [
+            (occ.shard, (occ.member, occ.token, occ.plan.target.timeout_ms + self.lease_ms))
+            for occ in occurrences
+        ]
+        codes = await transient.retry(
+            lambda: self._flush_begin(items), what="begin", stopping=self.stopping
         )
-        if not current:
-            metrics.STALE.labels("begin").inc()
-            return
-        self._holding[(occ.shard, occ.member)] = occ.token
+        live = []
+        for occ, code in zip(occurrences, codes, strict=True):
+            if code:
+                self._holding[(occ.shard, occ.member)] = occ.token
+                live.append(occ)
+            else:
+                metrics.STALE.labels("begin").inc()
+        return live
+
+    async def process(self, occ: Occurrence) -> None:
+        """Deliver and settle one fenced occurrence (waiting out Redis outages)."""
         key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
         chosen = settle.missed_choice(occ, self.now_ms())
         if chosen != occ.nominal_ms:
@@ -304,5 +311,5 @@ class Executor:
         return 0
 
     async def drain(self) -> None:
-        for batcher in (self._begin, self._complete, self._retry):
+        for batcher in (self._complete, self._retry):
             await batcher.drain()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import uuid
 
 import pytest
 from hypothesis import given, settings
@@ -228,3 +229,11 @@ def test_jitter_is_deterministic_and_within_bounds(jitter: int, member: str, nom
     assert 0 <= offset < jitter
     assert offset == schedule.jitter_offset_ms(plan, member, nominal)
     assert schedule.fire_at_ms(plan, member, nominal) == nominal + offset
+
+
+@given(st.text(max_size=20), st.text(max_size=40), st.integers(0, 2**53))
+def test_idempotency_key_is_the_rfc4122_uuid5_of_the_identity(
+    namespace: str, schedule_id: str, nominal: int
+) -> None:
+    expected = uuid.uuid5(schedule.IDEMPOTENCY_NAMESPACE, f"{namespace}/{schedule_id}@{nominal}")
+    assert schedule.idempotency_key(namespace, schedule_id, nominal) == str(expected)
