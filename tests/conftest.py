@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator  # noqa: E402
 
 import asyncpg  # noqa: E402
 import pytest  # noqa: E402
+import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 
 from shared import db, keys  # noqa: E402
@@ -29,8 +30,18 @@ def endpoints() -> Iterator[services.Endpoints]:
 
 
 @pytest.fixture
-def redis_prefix() -> str:
-    return services.unique("cbt")
+def redis_prefix(endpoints: services.Endpoints) -> Iterator[str]:
+    """A key prefix of this test's own; whatever the test (or its services) wrote under it is
+    deleted afterwards."""
+    prefix = services.unique("cbt")
+    yield prefix
+    client = redis.Redis.from_url(endpoints.redis_url)
+    try:
+        doomed = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        for start in range(0, len(doomed), 500):
+            client.delete(*doomed[start : start + 500])
+    finally:
+        client.close()
 
 
 @pytest.fixture
@@ -39,8 +50,6 @@ async def redis_client(
 ) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(endpoints.redis_url)
     yield client
-    async for key in client.scan_iter(match=f"{redis_prefix}:*", count=1000):
-        await client.delete(key)
     await client.aclose()
 
 
