@@ -386,6 +386,82 @@ def _host_cpu_seconds() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+# --- rebuild and import ----------------------------------------------------------------------
+
+
+async def _forget_index(found: Corner) -> None:
+    """What Redis losing its data looks like to cronbus: every key of the corner gone."""
+    client = aioredis.Redis.from_url(found.redis_url)
+    try:
+        doomed = [key async for key in client.scan_iter(match=f"{found.prefix}:*", count=5000)]
+        for start in range(0, len(doomed), 5000):
+            await client.delete(*doomed[start : start + 5000])
+    finally:
+        await client.aclose()
+
+
+async def _rebuild(args: argparse.Namespace) -> dict[str, Any]:
+    settings = CommonSettings()
+    async with corner(settings) as found:
+        before = await _redis_used_memory(found.redis_url)
+        lines = herd_lines(args.n, int(time.time() * 1000) + 86_400_000, "http://127.0.0.1:9/x")
+        imported, import_s = await _import(found, lines)
+        bytes_per = (await _redis_used_memory(found.redis_url) - before) / max(imported, 1)
+        await _forget_index(found)
+        with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
+            run = Run(found, Path(logs))
+            run.start("sweeper", 1, {**_service_env(args), "CRONBUS_SWEEP_INTERVAL_S": "0.2"})
+            try:
+                rebuild_s = await _wait_for_rebuild(run.processes[0], args.timeout_s)
+            finally:
+                procs.stop_all(run.processes)
+        restored = await _count_index(found)
+    return {
+        "n": args.n,
+        "imported": imported,
+        "import_s": round(import_s, 2),
+        "import_per_s": round(imported / import_s, 1) if import_s else None,
+        "rebuild_s": rebuild_s,
+        "rebuild_per_s": round(args.n / rebuild_s, 1),
+        "restored": restored,
+        "redis_bytes_per_schedule": round(bytes_per, 1),
+    }
+
+
+async def _wait_for_rebuild(sweeper: ServiceProcess, timeout_s: float) -> float:
+    """The sweeper's own measure of the rebuild (cronbus_rebuild_duration_seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, text = await asyncio.to_thread(sweeper.get, "/metrics")
+        for line in text.splitlines():
+            if line.startswith("cronbus_rebuilds_total ") and float(line.split()[1]) >= 1:
+                duration = [
+                    row
+                    for row in text.splitlines()
+                    if row.startswith("cronbus_rebuild_duration_seconds ")
+                ]
+                return round(float(duration[0].split()[1]), 2)
+        await asyncio.sleep(0.5)
+    raise CliError(f"no rebuild finished within {timeout_s:g}s:\n{sweeper.tail()}")
+
+
+async def _count_index(found: Corner) -> int:
+    client = aioredis.Redis.from_url(found.redis_url)
+    try:
+        counts = [
+            await client.hlen(keys.RedisKeys(found.prefix).sched(shard))
+            for shard in range(CommonSettings().shards)
+        ]
+        return sum(counts)
+    finally:
+        await client.aclose()
+
+
+def run_rebuild(args: argparse.Namespace) -> int:
+    _emit(args, asyncio.run(_rebuild(args)))
+    return 0
+
+
 def run_herd(args: argparse.Namespace) -> int:
     _emit(args, asyncio.run(_herd(args)))
     return 0
@@ -397,7 +473,7 @@ def run_steady(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="measure cronbus on this machine (herd, steady)")
+    p = sub.add_parser("bench", help="measure cronbus on this machine (herd, steady, rebuild)")
     kinds = p.add_subparsers(dest="bench", required=True, metavar="KIND")
     herd = kinds.add_parser("herd", help="N schedules all due at one instant")
     herd.add_argument("--n", type=int, default=10_000)
@@ -411,7 +487,13 @@ def add_parser(sub: Any) -> None:
     )
     steady.add_argument("--warmup-s", type=int, default=5)
     steady.set_defaults(handler=run_steady)
-    for kind in (herd, steady):
+    rebuild = kinds.add_parser(
+        "rebuild", help="import N schedules, lose the Redis index, time the sweeper's rebuild"
+    )
+    rebuild.add_argument("--n", type=int, default=100_000)
+    rebuild.add_argument("--timeout-s", type=float, default=600)
+    rebuild.set_defaults(handler=run_rebuild)
+    for kind in (herd, steady, rebuild):
         kind.add_argument("--json", action="store_true", help="one JSON line of figures")
         kind.add_argument(
             "--executors",
