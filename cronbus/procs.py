@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +37,10 @@ class ServiceProcess:
                 f"http://127.0.0.1:{self.port}{path}", timeout=timeout_s
             ) as response:
                 return int(response.status), response.read().decode()
-        except OSError as exc:
-            return int(getattr(exc, "code", 0) or 0), ""
+        except urllib.error.HTTPError as exc:
+            return int(exc.code), exc.read().decode(errors="replace")
+        except OSError:
+            return 0, ""
 
     def tail(self, lines: int = 40) -> str:
         try:

@@ -233,6 +233,10 @@ class Connections:
     async def _check_amqp(self) -> None:
         if self._amqp is None or self._amqp.is_closed:
             raise ConnectionError("RabbitMQ connection is closed")
+        # A robust connection is not "closed" while it reconnects, only not connected.
+        connected = getattr(self._amqp, "connected", None)
+        if connected is not None and not connected.is_set():
+            raise ConnectionError("RabbitMQ connection is reconnecting")
 
     async def open(self, stopping: asyncio.Event, tasks: Tasks) -> None:
         """Connect everything, waiting out dependencies that are not there yet."""

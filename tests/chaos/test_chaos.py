@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import schedule, timefmt
+from shared import codec, schedule, timefmt
 from tests.support import private, services
 from tests.support.stack import Stack
 
@@ -140,6 +140,15 @@ class Workload:
         return time.monotonic() - started
 
 
+async def assert_not_ready(stack: Stack, names: tuple[str, ...], dependency: str) -> None:
+    """While a dependency is down, the services that need it say so on /readyz."""
+    for name in names:
+        for proc in stack.running(name):
+            status, body = await asyncio.to_thread(proc.get, "/readyz")
+            assert status == 503, (name, status, body)
+            assert codec.loads(body)[dependency] is False, (name, body)
+
+
 async def run_scenario(
     name: str,
     stack: Stack,
@@ -221,6 +230,7 @@ async def test_rabbitmq_restarted(
     async def chaos() -> None:
         await asyncio.to_thread(servers.rabbit.stop_app)
         await asyncio.sleep(3)
+        await assert_not_ready(stack, ("dispatcher", "executor"), "rabbitmq")
         await asyncio.to_thread(servers.rabbit.start_app)
 
     await run_scenario("rabbitmqctl stop_app/start_app", stack, sink, env, chaos)
@@ -252,6 +262,7 @@ async def test_postgres_restarted(
     async def chaos() -> None:
         await asyncio.to_thread(servers.postgres.stop)
         await asyncio.sleep(3)  # deliveries go on meanwhile; execution rows wait in memory
+        await assert_not_ready(stack, ("dispatcher", "sweeper"), "postgres")
         await asyncio.to_thread(servers.postgres.start)
 
     await run_scenario("PostgreSQL stop/start", stack, sink, env, chaos)
