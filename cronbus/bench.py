@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,11 +249,18 @@ def herd_figures(
 
 
 async def _herd(args: argparse.Namespace) -> dict[str, Any]:
-    settings = CommonSettings()
+    return await _with_services(args, _herd_measured)
+
+
+Measure = Callable[[argparse.Namespace, Corner, "Run", Sink], Awaitable[dict[str, Any]]]
+
+
+async def _with_services(args: argparse.Namespace, measure: Measure) -> dict[str, Any]:
+    """A sink and the services running in a corner of their own, around ``measure``."""
     sink = Sink()
     await sink.start()
     try:
-        async with corner(settings) as found:
+        async with corner(CommonSettings()) as found:
             with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
                 run = Run(found, Path(logs))
                 env = _service_env(args)
@@ -262,7 +269,7 @@ async def _herd(args: argparse.Namespace) -> dict[str, Any]:
                 run.start("sweeper", 1, env)
                 try:
                     await run.ready()
-                    return await _herd_measured(args, found, run, sink)
+                    return await measure(args, found, run, sink)
                 finally:
                     procs.stop_all(run.processes)
     finally:
@@ -304,33 +311,16 @@ def steady_lines(n: int, every_ms: int, first_ms: int, url: str) -> Iterator[byt
 
 
 async def _steady(args: argparse.Namespace) -> dict[str, Any]:
-    every_ms = round(args.schedules * 1000 / args.rate)
-    if every_ms < 1000:
+    if args.schedules * 1000 / args.rate < 1000:
         raise CliError("--schedules / --rate must be at least 1 second per schedule")
-    settings = CommonSettings()
-    sink = Sink()
-    await sink.start()
-    try:
-        async with corner(settings) as found:
-            with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
-                run = Run(found, Path(logs))
-                env = _service_env(args)
-                run.start("dispatcher", args.dispatchers, env)
-                run.start("executor", args.executors, env)
-                run.start("sweeper", 1, env)
-                try:
-                    await run.ready()
-                    return await _steady_measured(args, found, run, sink, every_ms)
-                finally:
-                    procs.stop_all(run.processes)
-    finally:
-        await sink.stop()
+    return await _with_services(args, _steady_measured)
 
 
 async def _steady_measured(
-    args: argparse.Namespace, found: Corner, run: Run, sink: Sink, every_ms: int
+    args: argparse.Namespace, found: Corner, run: Run, sink: Sink
 ) -> dict[str, Any]:
     n = args.schedules
+    every_ms = round(n * 1000 / args.rate)
     before = await _redis_used_memory(found.redis_url)
     lead_s = args.lead_s if args.lead_s is not None else 5 + n / 15_000
     first_ms = (int((time.time() + lead_s) * 1000) // 1000 + 1) * 1000

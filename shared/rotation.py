@@ -13,7 +13,7 @@ from shared import compact, keys, schedule
 from shared.index import Upsert, UpsertMode, resting_occ_state
 from shared.plan import Plan, same_rotation
 
-State = Literal["active", "paused", "completed"]
+State = Literal["active", "paused", "completed", "deleted"]
 
 
 @dataclass(frozen=True, slots=True)

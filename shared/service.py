@@ -263,3 +263,20 @@ class Connections:
         if self._store is not None:
             await self._store.close()
         await self.redis.aclose()
+
+
+class ServiceBase:
+    """What the three services share: their settings, connections, tasks and health."""
+
+    name: str = "service"
+    uses_amqp: bool = True
+
+    def __init__(self, settings: CommonSettings) -> None:
+        self.connections = Connections(settings, self.name, amqp=self.uses_amqp)
+        self.tasks: Tasks | None = None
+
+    def readiness(self) -> dict[str, bool]:
+        return dict(self.connections.dependencies.status)
+
+    def alive(self) -> bool:
+        return self.tasks is None or self.tasks.alive()

@@ -7,10 +7,10 @@ the firing path (executions, checkpoints) always go in batches: one statement pe
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -20,6 +20,21 @@ from shared.sql import QUERIES
 
 #: A connection, pooled or not.
 Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+
+
+Row = TypeVar("Row")
+
+
+def _latest(
+    rows: Sequence[Row], key: Callable[[Row], Hashable], rank: Callable[[Row], int]
+) -> list[Row]:
+    """One row per key, the highest ranked (a statement may not touch a row twice)."""
+    latest: dict[Hashable, Row] = {}
+    for row in rows:
+        kept = latest.get(key(row))
+        if kept is None or rank(kept) <= rank(row):
+            latest[key(row)] = row
+    return list(latest.values())
 
 
 def _json_text(value: dict[str, Any] | bytes) -> str:
@@ -300,13 +315,7 @@ class Store:
 
     async def write_executions(self, rows: Sequence[ExecutionRow]) -> None:
         """One statement for the whole batch; the latest attempt of an occurrence wins."""
-        latest: dict[tuple[str, str, int], ExecutionRow] = {}
-        for row in rows:
-            key = (row.namespace, row.id, row.nominal_ms)
-            kept = latest.get(key)
-            if kept is None or kept.attempts <= row.attempts:
-                latest[key] = row
-        batch = list(latest.values())
+        batch = _latest(rows, lambda r: (r.namespace, r.id, r.nominal_ms), lambda r: r.attempts)
         await self.pool.execute(
             QUERIES["write_executions"],
             [r.namespace for r in batch],
@@ -323,13 +332,8 @@ class Store:
         )
 
     async def write_checkpoints(self, rows: Sequence[Checkpoint]) -> None:
-        latest: dict[tuple[str, str], Checkpoint] = {}
-        for row in rows:
-            key = (row.namespace, row.id)
-            kept = latest.get(key)
-            if kept is None or kept.last_fire_ms <= row.last_fire_ms:
-                latest[key] = row
-        batch = list(latest.values())
+        """One statement for the whole batch; the latest fire of a schedule wins."""
+        batch = _latest(rows, lambda c: (c.namespace, c.id), lambda c: c.last_fire_ms)
         await self.pool.execute(
             QUERIES["write_checkpoints"],
             [c.namespace for c in batch],

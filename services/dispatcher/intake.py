@@ -371,23 +371,8 @@ class Intake:
         async with self.store.transaction() as conn:
             old = await self._existing(conn, namespace, schedule_id)
             version = old.version + 1
-            plan = dataclasses.replace(compact.decode(old.compact), version=version)
-            row = await self.store.put_schedule(
-                conn,
-                NewScheduleRow(
-                    namespace,
-                    schedule_id,
-                    version,
-                    "deleted",
-                    old.definition,
-                    compact.encode(plan),
-                    old.priority,
-                    old.labels,
-                    old.fires,
-                    old.last_fire_ms,
-                    None,
-                ),
-            )
+            gone = rotation.Placement("deleted", None, None, old.fires, old.last_fire_ms)
+            row = await self.store.put_schedule(conn, _next_version(old, gone, old.definition))
             reply = {"ok": True, "schedule": view(row, now)}
             await self._record(conn, audit, version, reply)
         shard = self.index.shard_of(namespace, schedule_id)
@@ -418,22 +403,8 @@ class Intake:
             placement = (
                 rotation.place_pause(current) if paused else rotation.place_resume(current, now)
             )
-            definition = {**old.definition, "paused": paused}
             row = await self.store.put_schedule(
-                conn,
-                NewScheduleRow(
-                    namespace,
-                    schedule_id,
-                    version,
-                    placement.state,
-                    definition,
-                    compact.encode(plan),
-                    old.priority,
-                    old.labels,
-                    placement.fires,
-                    placement.last_fire_ms,
-                    placement.next_nominal,
-                ),
+                conn, _next_version(old, placement, {**old.definition, "paused": paused})
             )
             reply = {"ok": True, "schedule": view(row, now)}
             await self._record(conn, audit, version, reply)
@@ -559,6 +530,26 @@ class Intake:
             await transient.retry(write, what="index write", stopping=self.stopping)
         except transient.Stopped:
             log.warning("index write left to drift repair", extra={"action": "index_deferred"})
+
+
+def _next_version(
+    old: ScheduleRow, placement: rotation.Placement, definition: dict[str, Any]
+) -> NewScheduleRow:
+    """The row of ``old`` at its next version, where ``placement`` puts it."""
+    version = old.version + 1
+    return NewScheduleRow(
+        old.namespace,
+        old.id,
+        version,
+        placement.state,
+        definition,
+        compact.with_version(old.compact, version),
+        old.priority,
+        old.labels,
+        placement.fires,
+        placement.last_fire_ms,
+        placement.next_nominal,
+    )
 
 
 def _current_of(row: ScheduleRow) -> rotation.Current:

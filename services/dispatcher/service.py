@@ -15,28 +15,24 @@ from services.dispatcher.intake import Intake
 from services.dispatcher.leases import ShardLeases
 from shared import amqp, metrics, transient
 from shared.config import DispatcherSettings
-from shared.service import Connections, Tasks
+from shared.service import ServiceBase, Tasks
 
 log = logging.getLogger(__name__)
 
 
-class DispatcherService:
+class DispatcherService(ServiceBase):
     name = "dispatcher"
 
     def __init__(self, settings: DispatcherSettings) -> None:
+        super().__init__(settings)
         self.settings = settings
-        self.connections = Connections(settings, self.name, amqp=True)
-        self.tasks: Tasks | None = None
         self.consuming = False
         self._commands: set[asyncio.Task[None]] = set()
 
     def readiness(self) -> dict[str, bool]:
-        status = dict(self.connections.dependencies.status)
+        status = super().readiness()
         status["consuming"] = self.consuming
         return status
-
-    def alive(self) -> bool:
-        return self.tasks is None or self.tasks.alive()
 
     async def run(self, stopping: asyncio.Event) -> None:
         tasks = self.tasks = Tasks(stopping)

@@ -14,31 +14,27 @@ from services.executor.executor import Executor
 from services.executor.targets import AmqpTargets, Webhooks
 from shared import amqp, transient
 from shared.config import ExecutorSettings
-from shared.service import Connections, Tasks
+from shared.service import ServiceBase, Tasks
 
 log = logging.getLogger(__name__)
 
 
-class ExecutorService:
+class ExecutorService(ServiceBase):
     name = "executor"
 
     def __init__(self, settings: ExecutorSettings) -> None:
+        super().__init__(settings)
         self.settings = settings
-        self.connections = Connections(settings, self.name, amqp=True)
-        self.tasks: Tasks | None = None
         self.consuming = False
         self._messages: set[asyncio.Task[None]] = set()
 
     def readiness(self) -> dict[str, bool]:
-        status = dict(self.connections.dependencies.status)
+        status = super().readiness()
         status["consuming"] = self.consuming
         # Deliveries go on while PostgreSQL is away (rows wait in memory): not a reason to
         # take this executor out of service.
         status.pop("postgres", None)
         return status
-
-    def alive(self) -> bool:
-        return self.tasks is None or self.tasks.alive()
 
     async def run(self, stopping: asyncio.Event) -> None:
         settings, connections = self.settings, self.connections

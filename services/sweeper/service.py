@@ -7,24 +7,18 @@ import logging
 
 from services.sweeper.sweeper import Sweeper
 from shared.config import SweeperSettings
-from shared.service import Connections, Tasks
+from shared.service import ServiceBase, Tasks
 
 log = logging.getLogger(__name__)
 
 
-class SweeperService:
+class SweeperService(ServiceBase):
     name = "sweeper"
+    uses_amqp = False
 
     def __init__(self, settings: SweeperSettings) -> None:
+        super().__init__(settings)
         self.settings = settings
-        self.connections = Connections(settings, self.name, amqp=False)
-        self.tasks: Tasks | None = None
-
-    def readiness(self) -> dict[str, bool]:
-        return dict(self.connections.dependencies.status)
-
-    def alive(self) -> bool:
-        return self.tasks is None or self.tasks.alive()
 
     async def run(self, stopping: asyncio.Event) -> None:
         tasks = self.tasks = Tasks(stopping)

@@ -39,6 +39,19 @@ def _group(entries: Iterable[tuple[int, Upsert]]) -> dict[int, list[Upsert]]:
     return grouped
 
 
+def _entry_of(row: LiveSchedule, now_ms: int) -> Upsert | None:
+    return rotation.index_entry(
+        row.namespace,
+        row.id,
+        row.state,
+        row.compact,
+        row.fires,
+        row.last_fire_ms,
+        row.next_fire_ms,
+        now_ms,
+    )
+
+
 class Sweeper:
     def __init__(
         self,
@@ -191,16 +204,7 @@ class Sweeper:
         now = self.now_ms()
         entries = []
         for row in rows:
-            entry = rotation.index_entry(
-                row.namespace,
-                row.id,
-                row.state,
-                row.compact,
-                row.fires,
-                row.last_fire_ms,
-                row.next_fire_ms,
-                now,
-            )
+            entry = _entry_of(row, now)
             if entry is not None:
                 entries.append((self.index.shard_of(row.namespace, row.id), entry))
         if entries:
@@ -245,16 +249,7 @@ class Sweeper:
                 old is not None and compact.version_of(old) >= row.version
             ):
                 continue
-            entry = rotation.index_entry(
-                row.namespace,
-                row.id,
-                row.state,
-                row.compact,
-                row.fires,
-                row.last_fire_ms,
-                row.next_fire_ms,
-                self.now_ms(),
-            )
+            entry = _entry_of(row, self.now_ms())
             if entry is None:
                 continue
             if (
