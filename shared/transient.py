@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -64,3 +65,19 @@ async def retry(
             )
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay_s)
+
+
+async def every(
+    interval_s: float, step: Callable[[], Awaitable[object]], *, what: str, stopping: asyncio.Event
+) -> None:
+    """Run ``step`` every ``interval_s`` until stopping; a dependency outage skips a round."""
+    while not stopping.is_set():
+        try:
+            await step()
+        except ERRORS as exc:
+            log.warning(
+                "waiting for a dependency",
+                extra={"action": "dependency_wait", "operation": what, "error": repr(exc)},
+            )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), interval_s)

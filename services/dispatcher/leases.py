@@ -100,17 +100,9 @@ class ShardLeases:
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Balance a few times per lease period until stopping, then hand the shards back."""
-        interval = self.ttl_ms / 1000 / 4
-        while not stopping.is_set():
-            try:
-                await self.balance()
-            except transient.ERRORS as exc:
-                log.warning(
-                    "shard leases wait for Redis",
-                    extra={"action": "leases_wait", "error": repr(exc)},
-                )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), interval)
+        await transient.every(
+            self.ttl_ms / 1000 / 4, self.balance, what="shard leases", stopping=stopping
+        )
         await self.release_all()
 
     async def release_all(self) -> None:

@@ -78,16 +78,9 @@ class Sweeper:
     # --- the loop -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                await self.step()
-            except transient.ERRORS as exc:
-                log.warning(
-                    "sweep step waits for a dependency",
-                    extra={"action": "sweep_wait", "error": repr(exc)},
-                )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), self.settings.sweep_interval_s)
+        await transient.every(
+            self.settings.sweep_interval_s, self.step, what="sweep step", stopping=self.stopping
+        )
         if self.rebuilding is not None and not self.rebuilding.done():
             # The rebuild lock expires by itself; another sweeper starts over ('keep' writes
             # make a second pass harmless).
