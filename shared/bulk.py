@@ -21,7 +21,7 @@ from typing import Any
 
 import pydantic
 
-from shared import codec, compact, keys, models, rotation, schedule, validation
+from shared import compact, keys, models, rotation, schedule, validation
 from shared.errors import ValidationFailed
 from shared.index import Index, Upsert, resting_occ_state
 from shared.store import CommandAudit, NewScheduleRow, ScheduleRow, Store
@@ -282,7 +282,3 @@ def refused_lines(result: ImportResult) -> list[str]:
         f"line {number}: " + "; ".join(f"{d['field']}: {d['reason']}" for d in details)
         for number, details in result.refused
     ]
-
-
-def dumps_line(item: dict[str, Any]) -> bytes:
-    return codec.dumps(item)

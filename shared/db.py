@@ -148,9 +148,3 @@ async def drop_partitions_before(conn: Connection, cutoff: dt.date) -> list[str]
         dt.datetime.combine(cutoff, dt.time(), dt.UTC),
     )
     return sorted(dropped)
-
-
-async def create_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> asyncpg.Pool:
-    pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, command_timeout=30)
-    assert pool is not None
-    return pool

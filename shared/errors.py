@@ -10,10 +10,6 @@ class CronbusError(Exception):
         super().__init__(message or (self.__doc__ or "").strip())
 
 
-class ConfigError(CronbusError):
-    """The configuration is not valid."""
-
-
 class StoreError(CronbusError):
     """PostgreSQL could not complete the operation."""
 
@@ -34,10 +30,6 @@ class LuaScriptError(RedisIndexError):
 
 class StaleWriteError(LuaScriptError):
     """The index already holds a newer version of the schedule."""
-
-
-class BrokerError(CronbusError):
-    """RabbitMQ could not complete the operation."""
 
 
 class ValidationFailed(CronbusError):

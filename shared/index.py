@@ -331,9 +331,6 @@ class Index:
         value = await self.client.hget(self.keys.sched(shard), member)
         return value.encode() if isinstance(value, str) else value
 
-    async def due_count(self, shard: int) -> int:
-        return int(await self.client.zcard(self.keys.due(shard)))
-
     async def lease_count(self, shard: int) -> int:
         return int(await self.client.zcard(self.keys.lease(shard)))
 

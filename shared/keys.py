@@ -85,10 +85,6 @@ class RedisKeys:
         return f"{self.prefix}:meta:rebuild-lock"
 
     @property
-    def rebuild_progress(self) -> str:
-        return f"{self.prefix}:meta:rebuild-progress"
-
-    @property
     def sweep_lock(self) -> str:
         return f"{self.prefix}:meta:sweep-lock"
 

@@ -14,9 +14,10 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import prometheus_client
+import pydantic
 from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 
@@ -27,6 +28,7 @@ from shared.store import Store
 log = logging.getLogger(__name__)
 
 Check = Callable[[], Awaitable[object]]
+SettingsT = TypeVar("SettingsT", bound=CommonSettings)
 
 
 class Service(Protocol):
@@ -178,6 +180,18 @@ async def serve(service: Service, settings: CommonSettings) -> int:
         extra={"action": "service_stopped", "uptime_s": round(time.monotonic() - started, 1)},
     )
     return 0 if service.alive() else 1
+
+
+def load_settings(name: str, cls: type[SettingsT]) -> SettingsT:
+    """The service's settings from CRONBUS_* variables; a bad value stops the start with one
+    line per variable naming it and the reason (exit status 2), not a traceback."""
+    try:
+        return cls()
+    except pydantic.ValidationError as exc:
+        for error in exc.errors():
+            variable = "CRONBUS_" + "_".join(str(part) for part in error["loc"]).upper()
+            print(f"cronbus {name}: configuration: {variable}: {error['msg']}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(name: str, service: Service, settings: CommonSettings) -> None:

@@ -5,5 +5,5 @@ from shared import service
 from shared.config import DispatcherSettings
 
 if __name__ == "__main__":
-    settings = DispatcherSettings()
+    settings = service.load_settings("dispatcher", DispatcherSettings)
     service.main("dispatcher", DispatcherService(settings), settings)

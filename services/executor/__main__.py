@@ -5,5 +5,5 @@ from shared import service
 from shared.config import ExecutorSettings
 
 if __name__ == "__main__":
-    settings = ExecutorSettings()
+    settings = service.load_settings("executor", ExecutorSettings)
     service.main("executor", ExecutorService(settings), settings)

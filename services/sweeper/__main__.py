@@ -5,5 +5,5 @@ from shared import service
 from shared.config import SweeperSettings
 
 if __name__ == "__main__":
-    settings = SweeperSettings()
+    settings = service.load_settings("sweeper", SweeperSettings)
     service.main("sweeper", SweeperService(settings), settings)
