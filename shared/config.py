@@ -55,8 +55,9 @@ class DispatcherSettings(CommonSettings):
     claim_batch: int = Field(default=1000, ge=1, le=10_000)
     #: Most occurrences carried by one message on cronbus.deliveries.
     delivery_batch: int = Field(default=100, ge=1, le=1000)
-    #: Stop claiming while cronbus.deliveries holds more ready messages than this.
-    deliveries_high_water: int = Field(default=500, ge=1)
+    #: Stop claiming while cronbus.deliveries holds more ready messages than this: overload
+    #: waits in Redis; a short queue is also cheaper for the broker to run.
+    deliveries_high_water: int = Field(default=50, ge=1)
     #: Longest sleep between claims when nothing is due sooner.
     max_sleep_s: float = Field(default=1.0, gt=0, le=60)
     #: Lease of a dispatcher on the shards it claims from; several dispatchers split the

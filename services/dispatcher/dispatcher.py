@@ -45,6 +45,7 @@ class Dispatcher:
         self.shards: list[int] = list(range(settings.shards))
         self._exchange: AbstractExchange | None = None
         self._ready_messages = 0
+        self._published_since_check = 0
         self._backlog_checked = 0.0
         self._sleep_until_ms: float = 0
         self._redis_offset_ms = 0.0
@@ -108,7 +109,9 @@ class Dispatcher:
         ]
         published = len(claimed) - len(failed)
         metrics.PUBLISHED.inc(published)
-        metrics.DELIVERY_MESSAGES.inc(sum(1 for o in outcomes if not isinstance(o, BaseException)))
+        messages = sum(1 for o in outcomes if not isinstance(o, BaseException))
+        self._published_since_check += messages
+        metrics.DELIVERY_MESSAGES.inc(messages)
         if failed:
             await self._release(failed)
 
@@ -138,12 +141,21 @@ class Dispatcher:
             await self.index.release(dict(by_shard))
 
     async def _backpressured(self) -> bool:
+        """Whether the deliveries queue is above its high-water mark.
+
+        The broker is asked a few times a second; in between, what this dispatcher published
+        counts as waiting, and reaching the mark that way asks again at once, so a fast claim
+        loop cannot overshoot the mark by more than one step.
+        """
         now = time.monotonic()
-        if now - self._backlog_checked >= BACKLOG_CHECK_S:
+        mark = self.settings.deliveries_high_water
+        estimate = self._ready_messages + self._published_since_check
+        if now - self._backlog_checked >= BACKLOG_CHECK_S or estimate > mark:
             self._backlog_checked = now
             self._ready_messages = await amqp.ready_messages(self.channel, keys.DELIVERIES_QUEUE)
+            self._published_since_check = 0
             metrics.DELIVERIES_READY.set(self._ready_messages)
-        high = self._ready_messages > self.settings.deliveries_high_water
+        high = self._ready_messages > mark
         metrics.BACKPRESSURE.set(1 if high else 0)
         return high
 
