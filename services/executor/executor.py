@@ -81,14 +81,14 @@ class Executor:
         self.rng = random.Random()
         self.slots = asyncio.Semaphore(settings.concurrency)
         self.lease_ms = round(settings.lease_s * 1000)
+        #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
+        self._holding: dict[tuple[int, str], int] = {}
         self._complete = Batcher(
             self._flush_complete,
             max_delay_ms=settings.complete_flush_ms,
             max_items=BATCH_ITEMS,
             name="complete",
         )
-        #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
-        self._holding: dict[tuple[int, str], int] = {}
         self._retry = Batcher(
             self._flush_retry,
             max_delay_ms=settings.complete_flush_ms,
