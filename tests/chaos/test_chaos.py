@@ -110,6 +110,17 @@ class Workload:
             for t in range(first, until_ms + 1, 1000)
         }
 
+    def worst_lateness_s(self, sink: Sink, since_ms: int, until_ms: int) -> float:
+        """The latest first delivery of an occurrence due in [since, until]: how long the
+        fault held work back."""
+        first: dict[tuple[str, int], float] = {}
+        for request in sink.received:
+            nominal = timefmt.parse_rfc3339_ms(request.fire_time)
+            if since_ms <= nominal <= until_ms:
+                key = (request.schedule, nominal)
+                first[key] = min(first.get(key, request.at_ms), request.at_ms)
+        return max(((at - nominal) / 1000 for (_, nominal), at in first.items()), default=0.0)
+
     def check(self, sink: Sink, until_ms: int) -> tuple[int, int]:
         """(lost, duplicates) for the nominal times up to ``until_ms``; wrong keys fail."""
         seen: dict[tuple[str, int], int] = {}
@@ -165,6 +176,7 @@ async def run_scenario(
         await workload.register(client, sink)
     await asyncio.sleep(3)
     fault_at = time.monotonic()
+    fault_start_ms = int(time.time() * 1000)
     await chaos()
     fault_s = time.monotonic() - fault_at
     fault_end_ms = int(time.time() * 1000)
@@ -177,9 +189,11 @@ async def run_scenario(
     await asyncio.sleep(1.5)  # late duplicates, if any, arrive meanwhile
     lost, duplicates = workload.check(sink, until_ms)
     total = len(workload.expected(until_ms))
+    worst = workload.worst_lateness_s(sink, fault_start_ms, fault_end_ms)
     print(
         f"\nchaos {name}: occurrences {total}, lost {lost}, duplicates {duplicates}, "
-        f"fault lasted {fault_s:.1f}s, recovered {recovery_s:.1f}s after it"
+        f"fault lasted {fault_s:.1f}s, all caught up {recovery_s:.1f}s after it, "
+        f"worst lateness of an occurrence due during it {worst:.1f}s"
     )
     assert lost == 0, stack.tails()
 
