@@ -136,6 +136,9 @@ class Checkpoint:
     next_fire_ms: int | None
     fires: int
     finished: bool = False
+    #: The version of the schedule the occurrence ran under: a checkpoint from before a
+    #: change that restarted the rotation is refused (see ``write_checkpoints``).
+    version: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +345,7 @@ class Store:
             [c.next_fire_ms for c in batch],
             [c.fires for c in batch],
             [c.finished for c in batch],
+            [c.version for c in batch],
         )
 
     async def recent_executions(
@@ -375,6 +379,13 @@ class Store:
                     chunk = []
             if chunk:
                 yield chunk
+
+    async def index_generation(self) -> int:
+        """The generation the Redis index must be at (or ahead of)."""
+        return int(await self.pool.fetchval(QUERIES["index_generation"]))
+
+    async def advance_index_generation(self, generation: int) -> None:
+        await self.pool.execute(QUERIES["advance_index_generation"], generation)
 
     async def schedule_versions(self, members: Sequence[tuple[str, str]]) -> list[LiveSchedule]:
         records = await self.pool.fetch(

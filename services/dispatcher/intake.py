@@ -344,7 +344,9 @@ class Intake:
             version = (old.version if old is not None else 0) + 1
             plan = dataclasses.replace(checked, version=version)
             current = _current_of(old) if live and old is not None else None
-            placement = rotation.place_upsert(current, plan, item.paused, now)
+            placement = rotation.place_upsert(
+                current, plan, item.paused, now, keys.member(namespace, item.id)
+            )
             row = await self.store.put_schedule(
                 conn,
                 NewScheduleRow(
@@ -401,7 +403,9 @@ class Intake:
             plan = dataclasses.replace(compact.decode(old.compact), version=version)
             current = _current_of(old)
             placement = (
-                rotation.place_pause(current) if paused else rotation.place_resume(current, now)
+                rotation.place_pause(current)
+                if paused
+                else rotation.place_resume(current, now, keys.member(namespace, schedule_id))
             )
             row = await self.store.put_schedule(
                 conn, _next_version(old, placement, {**old.definition, "paused": paused})
@@ -432,7 +436,7 @@ class Intake:
         # the rotation ('keep' leaves a running rotation alone, 'park' keeps a paused one out).
         current = _current_of(old)
         placement = (
-            rotation.place_upsert(current, plan, False, now)
+            rotation.place_upsert(current, plan, False, now, keys.member(namespace, schedule_id))
             if old.state == "active"
             else rotation.Placement("paused", "park", None, old.fires, old.last_fire_ms)
         )

@@ -83,6 +83,12 @@ class Executor:
         self.lease_ms = round(settings.lease_s * 1000)
         #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
         self._holding: dict[tuple[int, str], int] = {}
+        self._begin = Batcher(
+            self._flush_begin,
+            max_delay_ms=settings.complete_flush_ms,
+            max_items=BATCH_ITEMS,
+            name="begin",
+        )
         self._complete = Batcher(
             self._flush_complete,
             max_delay_ms=settings.complete_flush_ms,
@@ -101,8 +107,12 @@ class Executor:
 
     # --- batched Redis calls ------------------------------------------------------------------
 
-    async def _flush_begin(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[int]:
-        return _in_order(items, await self.index.begin(_by_shard(items)))
+    async def _flush_begin(
+        self, items: Sequence[tuple[int, tuple[str, int, int]]]
+    ) -> list[int | None]:
+        """Per item, the Redis clock (ms) when its lease is held, or None when it is stale."""
+        now, codes = await self.index.begin(_by_shard(items))
+        return [now if code else None for code in _in_order(items, codes)]
 
     async def _flush_complete(self, items: Sequence[tuple[int, Completion]]) -> list[int]:
         codes = _in_order(items, await self.index.complete(_by_shard(items)))
@@ -148,8 +158,7 @@ class Executor:
             return
         try:
             await self.audit.wait_for_room()
-            live = await self.begin(occurrences)
-            await asyncio.gather(*(self.process(occ) for occ in live))
+            await asyncio.gather(*(self.process(occ) for occ in occurrences))
         except (transient.Stopped, asyncio.CancelledError) as exc:
             # Handed back: the redelivery's fencing skips whatever was settled already.
             with contextlib.suppress(Exception):
@@ -168,47 +177,58 @@ class Executor:
             # If the ack is lost the broker redelivers, and fencing skips what is settled.
             await message.ack()
 
-    async def begin(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
-        """Fence a message's occurrences in one round trip: those whose token is still
-        current are held (lease extended for the delivery); the others are stale."""
-        items = [
-            (occ.shard, (occ.member, occ.token, occ.plan.target.timeout_ms + self.lease_ms))
-            for occ in occurrences
-        ]
-        codes = await transient.retry(
-            lambda: self._flush_begin(items), what="begin", stopping=self.stopping
+    async def begin(self, occ: Occurrence) -> int | None:
+        """Fence one occurrence as its delivery starts: if its token is still current, hold
+        its lease for the delivery and return the Redis clock (ms); None when it is stale.
+        Calls from occurrences starting together go to Redis in one round trip."""
+        hold_ms = occ.plan.target.timeout_ms + self.lease_ms
+        now = await transient.retry(
+            lambda: self._begin.submit((occ.shard, (occ.member, occ.token, hold_ms))),
+            what="begin",
+            stopping=self.stopping,
         )
-        live = []
-        for occ, code in zip(occurrences, codes, strict=True):
-            if code:
-                self._holding[(occ.shard, occ.member)] = occ.token
-                live.append(occ)
-            else:
-                metrics.STALE.labels("begin").inc()
-        return live
+        if now is None:
+            metrics.STALE.labels("begin").inc()
+        else:
+            self._holding[(occ.shard, occ.member)] = occ.token
+        return now
 
     async def process(self, occ: Occurrence) -> None:
-        """Deliver and settle one fenced occurrence (waiting out Redis outages)."""
+        """Deliver and settle one occurrence (waiting out Redis outages).
+
+        The lease is checked and extended only once a concurrency slot is free, right before
+        the delivery: an occurrence whose lease ran out while it waited was handed out again
+        by the sweeper, and is left to that copy. Misfire decisions use the Redis clock.
+        """
         key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
-        chosen = settle.missed_choice(occ, self.now_ms())
-        if chosen != occ.nominal_ms:
-            metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
-            log.info(
-                "missed occurrence skipped by its misfire policy",
-                extra={
-                    "action": "misfire",
-                    "schedule": occ.member,
-                    "nominal_ms": occ.nominal_ms,
-                    "next_ms": chosen,
-                    "policy": occ.plan.misfire.policy,
-                },
-            )
-            await self._settle(occ, settle.skip(occ, key, chosen, self.now_ms()))
-            return
         async with self.slots:
-            outcome, started, finished = await self._deliver(occ, key)
+            now = await self.begin(occ)
+            if now is None:
+                return
+            chosen = settle.missed_choice(occ, now)
+            if chosen == occ.nominal_ms:
+                outcome, started, finished = await self._deliver(occ, key)
+                # Clocks: started/finished time the attempt on this host; decisions use Redis.
+                settled_now = now + (finished - started)
+        if chosen != occ.nominal_ms:
+            self._log_misfire(occ, chosen)
+            await self._settle(occ, settle.skip(occ, key, chosen, now))
+            return
         await self._settle(
-            occ, settle.settle(occ, key, outcome, started, finished, self.now_ms(), self.rng)
+            occ, settle.settle(occ, key, outcome, started, finished, settled_now, self.rng)
+        )
+
+    def _log_misfire(self, occ: Occurrence, chosen: int | None) -> None:
+        metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
+        log.info(
+            "missed occurrence skipped by its misfire policy",
+            extra={
+                "action": "misfire",
+                "schedule": occ.member,
+                "nominal_ms": occ.nominal_ms,
+                "next_ms": chosen,
+                "policy": occ.plan.misfire.policy,
+            },
         )
 
     async def _deliver(self, occ: Occurrence, key: str) -> tuple[Outcome, int, int]:
@@ -311,5 +331,5 @@ class Executor:
         return 0
 
     async def drain(self) -> None:
-        for batcher in (self._complete, self._retry):
+        for batcher in (self._begin, self._complete, self._retry):
             await batcher.drain()

@@ -79,16 +79,20 @@ SET attempts = EXCLUDED.attempts, status = EXCLUDED.status,
 WHERE e.attempts <= EXCLUDED.attempts;
 
 -- write_checkpoints --
--- A batch of rotation checkpoints: the latest completed nominal fire wins.
+-- A batch of rotation checkpoints: the latest completed nominal fire of the current rotation
+-- wins.
 UPDATE schedules AS s
 SET last_fire_at = to_timestamp(c.last_ms / 1000.0),
     next_fire_at = CASE WHEN c.next_ms IS NULL THEN NULL
                         ELSE to_timestamp(c.next_ms / 1000.0) END,
     fires = GREATEST(s.fires, c.fires),
     state = CASE WHEN c.finished AND s.state = 'active' THEN 'completed' ELSE s.state END
-FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::boolean[])
-     AS c(namespace, id, last_ms, next_ms, fires, finished)
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::boolean[],
+            $7::bigint[])
+     AS c(namespace, id, last_ms, next_ms, fires, finished, version)
 WHERE s.namespace = c.namespace AND s.id = c.id
+  -- An occurrence of an older rotation (the schedule was reset since) checkpoints nothing.
+  AND c.version >= s.rotation_version
   AND (s.last_fire_at IS NULL OR s.last_fire_at <= to_timestamp(c.last_ms / 1000.0));
 
 -- recent_executions --
@@ -154,3 +158,11 @@ SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.de
     fires = EXCLUDED.fires, last_fire_at = EXCLUDED.last_fire_at,
     next_fire_at = EXCLUDED.next_fire_at, updated_at = now(),
     created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END;
+
+-- index_generation --
+-- The generation the Redis index must be at (or ahead of).
+SELECT generation FROM index_generation;
+
+-- advance_index_generation --
+-- Record the generation Redis was moved to (never backwards).
+UPDATE index_generation SET generation = GREATEST(generation, $1::bigint);

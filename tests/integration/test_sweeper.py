@@ -72,7 +72,7 @@ async def test_expired_leases_are_reclaimed_in_batches(
     assert await sweeper.reclaim() == len(claimed)
     assert sum([await index.lease_count(s) for s in range(SHARDS)]) == 0
     # The reclaimed occurrences are due again, and the old tokens are stale.
-    codes = await index.begin({claimed[0].shard: [(claimed[0].member, claimed[0].token, 1)]})
+    _, codes = await index.begin({claimed[0].shard: [(claimed[0].member, claimed[0].token, 1)]})
     assert codes == {claimed[0].shard: [0]}
 
 
@@ -148,7 +148,10 @@ async def test_drift_repair_fixes_stale_missing_and_orphan_entries(
         compact.with_version((await index.stored_plan(shard, "sw/stale")) or b"", 1),
     )
     # "missing": in PostgreSQL, not in Redis. "gone": in Redis, deleted in PostgreSQL.
-    await index.remove({index.shard_of("sw", "missing"): [("sw/missing", None)]})
+    # (Its keys vanish without a tombstone: nothing deleted or finished it.)
+    missing_shard = index.shard_of("sw", "missing")
+    await index.client.hdel(index.keys.sched(missing_shard), "sw/missing")
+    await index.client.zrem(index.keys.due(missing_shard), "sw/missing")
     conn = await asyncpg.connect(sweeper.settings.database_url)
     try:
         await conn.execute(
