@@ -16,8 +16,8 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -58,6 +58,16 @@ def _in_order(items: Sequence[tuple[int, object]], codes: dict[int, list[int]]) 
     return ordered
 
 
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _poison_reason(headers: Mapping[str, Any]) -> str:
+    why = _text(headers.get("x-first-death-reason", "rejected"))
+    count = _text(headers.get("x-delivery-count", "too many"))
+    return f"delivery message dead-lettered ({why}, delivered {count} times)"
+
+
 class Executor:
     def __init__(
         self,
@@ -83,6 +93,9 @@ class Executor:
         self.lease_ms = round(settings.lease_s * 1000)
         #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
         self._holding: dict[tuple[int, str], int] = {}
+        #: Occurrences received and waiting for a delivery slot: their leases are kept alive
+        #: (``keep_waiting_leases``) so a long wait never lets the sweeper hand them out again.
+        self._waiting: dict[tuple[int, str], int] = {}
         self._begin = Batcher(
             self._flush_begin,
             max_delay_ms=settings.complete_flush_ms,
@@ -158,7 +171,11 @@ class Executor:
             return
         try:
             await self.audit.wait_for_room()
-            await asyncio.gather(*(self.process(occ) for occ in occurrences))
+            live = await self.hold(occurrences)
+            try:
+                await asyncio.gather(*(self.process(occ) for occ in live))
+            finally:
+                self._stop_waiting(live)
         except (transient.Stopped, asyncio.CancelledError) as exc:
             # Handed back: the redelivery's fencing skips whatever was settled already.
             with contextlib.suppress(Exception):
@@ -176,6 +193,79 @@ class Executor:
         with contextlib.suppress(*transient.ERRORS):
             # If the ack is lost the broker redelivers, and fencing skips what is settled.
             await message.ack()
+
+    def _stop_waiting(self, occurrences: Sequence[Occurrence]) -> None:
+        """A message given up (handed back, or parked as a bug): its leases are no longer
+        kept alive here, so the sweeper or a redelivery takes its occurrences over."""
+        for occ in occurrences:
+            if self._waiting.get((occ.shard, occ.member)) == occ.token:
+                del self._waiting[(occ.shard, occ.member)]
+
+    async def settle_dead_letter(self, message: AbstractIncomingMessage) -> None:
+        """A delivery message the broker dead-lettered (redelivered past its limit: it kept
+        crashing executors, or was parked as a bug): each occurrence still current ends
+        ``dead`` with the reason, an event is published, and its rotation goes on."""
+        try:
+            occurrences = delivery.decode(message.body)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error(
+                "dead-lettered delivery message is not one: dropped",
+                extra={
+                    "action": "dead_letter_dropped",
+                    "error": repr(exc),
+                    "body": message.body[:1024].decode("utf-8", "replace"),
+                },
+            )
+            await message.ack()
+            return
+        reason = _poison_reason(message.headers or {})
+        for occ in occurrences:
+            now = await self.begin(occ)
+            if now is not None:
+                key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
+                log.error(
+                    "poison delivery: occurrence ends dead",
+                    extra={"action": "poison", "schedule": occ.member, "reason": reason},
+                )
+                await self._settle(occ, settle.poisoned(occ, key, reason, now))
+        await message.ack()
+
+    async def hold(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
+        """Fence a message's occurrences as it arrives, in one round trip: those whose token
+        is current have their lease held while they wait for a delivery slot; the others are
+        stale (another copy took care of them) and are dropped."""
+        items = [(occ.shard, (occ.member, occ.token, self.lease_ms)) for occ in occurrences]
+        results = await transient.retry(
+            lambda: self._flush_begin(items), what="hold", stopping=self.stopping
+        )
+        live = []
+        for occ, now in zip(occurrences, results, strict=True):
+            if now is None:
+                metrics.STALE.labels("begin").inc()
+            else:
+                self._waiting[(occ.shard, occ.member)] = occ.token
+                live.append(occ)
+        return live
+
+    async def keep_waiting_leases(self) -> None:
+        """Extend the leases of occurrences still waiting for a slot (one round trip for
+        all); those found stale meanwhile are left to whichever copy is current."""
+        waiting = list(self._waiting.items())
+        for start in range(0, len(waiting), BATCH_ITEMS):
+            chunk = waiting[start : start + BATCH_ITEMS]
+            items = [(shard, (member, token, self.lease_ms)) for (shard, member), token in chunk]
+            results = await self._flush_begin(items)
+            for ((shard, member), token), now in zip(chunk, results, strict=True):
+                if now is None and self._waiting.get((shard, member)) == token:
+                    del self._waiting[(shard, member)]
+
+    async def run_lease_keeper(self, stopping: asyncio.Event) -> None:
+        await transient.every(
+            max(self.lease_ms / 3000, 0.1),
+            self.keep_waiting_leases,
+            what="lease keeper",
+            stopping=stopping,
+        )
 
     async def begin(self, occ: Occurrence) -> int | None:
         """Fence one occurrence as its delivery starts: if its token is still current, hold
@@ -202,6 +292,7 @@ class Executor:
         """
         key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
         async with self.slots:
+            self._waiting.pop((occ.shard, occ.member), None)
             now = await self.begin(occ)
             if now is None:
                 return

@@ -115,8 +115,11 @@ def settle(
     finished_ms: int,
     now_ms: int,
     rng: random.Random,
+    *,
+    final: bool = False,
 ) -> Settlement:
-    if not outcome.ok and backoff.attempts_left(occ.plan.retry, occ.attempt):
+    """``final``: no attempt follows, whatever the retry policy says (a poison message)."""
+    if not outcome.ok and not final and backoff.attempts_left(occ.plan.retry, occ.attempt):
         delay = backoff.delay_ms(occ.plan.retry, occ.attempt, rng)
         return Settlement(
             None,
@@ -154,4 +157,19 @@ def skip(occ: Occurrence, key: str, chosen: int | None, now_ms: int) -> Settleme
     completion, checkpoint = _rotate(occ, chosen, occ.fires, occ.nominal_ms, catch_up=True)
     return Settlement(
         completion, None, row_of(occ, key, "skipped", None, now_ms, now_ms), checkpoint, "skipped"
+    )
+
+
+def poisoned(occ: Occurrence, key: str, reason: str, now_ms: int) -> Settlement:
+    """An occurrence whose delivery message kept crashing (or failing) its executors until
+    the broker dead-lettered it: it ends ``dead`` with the reason, and its rotation goes on."""
+    return settle(
+        occ,
+        key,
+        Outcome(False, None, reason[:500]),
+        now_ms,
+        now_ms,
+        now_ms,
+        random.Random(0),
+        final=True,
     )

@@ -15,7 +15,7 @@ from services.sweeper.sweeper import Sweeper
 from shared import bulk, codec, compact, db, timefmt, validation
 from shared.config import SweeperSettings
 from shared.index import Index, Upsert
-from shared.store import Store
+from shared.store import Checkpoint, Store
 from tests.conftest import SHARDS
 
 NOW = int(time.time() * 1000)
@@ -188,3 +188,65 @@ async def test_retention_drops_whole_partitions(sweeper: Sweeper, store: Store) 
     assert db.partition_name(old) not in names
     for ahead in range(sweeper.settings.partitions_ahead_days + 1):
         assert db.partition_name(today + dt.timedelta(days=ahead)) in names
+
+
+async def test_an_index_restored_from_an_older_snapshot_is_rebuilt(
+    sweeper: Sweeper, index: Index, store: Store
+) -> None:
+    await load(store, index, every("kept", 60), every("deleted-later", 60))
+    await sweeper.check_epoch()
+    assert sweeper.rebuilding is not None
+    await sweeper.rebuilding
+    snapshot_generation = await index.client.get(index.keys.epoch)
+    for _ in range(3):  # sweeps move the generation forward, in Redis and PostgreSQL
+        await sweeper.check_epoch()
+    assert await store.index_generation() == int(snapshot_generation or 0) + 3
+    # PostgreSQL moves on (the schedule is deleted) while Redis is restored from the snapshot
+    # taken before: it still holds the deleted schedule and the old generation.
+    conn = await asyncpg.connect(sweeper.settings.database_url)
+    try:
+        await conn.execute(
+            "UPDATE schedules SET state = 'deleted', version = version + 1 "
+            "WHERE id = 'deleted-later'"
+        )
+    finally:
+        await conn.close()
+    await index.client.set(index.keys.epoch, snapshot_generation or b"")
+    assert "sw/deleted-later" in await members(index)
+
+    await sweeper.check_epoch()
+    assert sweeper.rebuilding is not None
+    await sweeper.rebuilding
+    assert await members(index) == {"sw/kept"}
+    assert int(await index.client.get(index.keys.epoch) or 0) > await store.index_generation() - 1
+
+
+async def test_a_delete_wins_over_a_rebuild_that_read_the_schedule_before(
+    sweeper: Sweeper, index: Index, store: Store
+) -> None:
+    await load(store, index, every("raced", 60))
+    [row] = [r async for chunk in store.live_schedules(10) for r in chunk]
+    # The delete lands (PostgreSQL, then the index) after the rebuild read the row.
+    shard = index.shard_of("sw", "raced")
+    assert await index.remove({shard: [("sw/raced", row.version + 1)]}) == {shard: [1]}
+    await sweeper._write_entries([row])
+    assert await members(index) == set()
+    assert await index.position(shard, "sw/raced") == (None, None, None)
+
+
+async def test_a_checkpoint_from_before_a_reset_is_refused(index: Index, store: Store) -> None:
+    await load(store, index, every("reset", 60))
+    first = await store.get_schedule("sw", "reset")
+    assert first is not None
+    # The rule changes: a new rotation (version 2, no fires yet).
+    await load(store, index, every("reset", 3600))
+    # A late audit batch from an occurrence of the old rotation.
+    await store.write_checkpoints([Checkpoint("sw", "reset", NOW, NOW + 60_000, 1, version=1)])
+    row = await store.get_schedule("sw", "reset")
+    assert row is not None and row.version == 2
+    assert (row.fires, row.last_fire_ms) == (0, None)
+    assert row.next_fire_ms is not None and row.next_fire_ms % 3_600_000 == 0
+    # The new rotation's own checkpoint lands.
+    await store.write_checkpoints([Checkpoint("sw", "reset", NOW, NOW + 3_600_000, 1, version=2)])
+    row = await store.get_schedule("sw", "reset")
+    assert row is not None and (row.fires, row.last_fire_ms) == (1, NOW)
