@@ -380,6 +380,10 @@ class Store:
             if chunk:
                 yield chunk
 
+    async def clock_ms(self) -> int:
+        """PostgreSQL's clock, which stamps ``updated_at``."""
+        return int(await self.pool.fetchval(QUERIES["clock_ms"]))
+
     async def index_generation(self) -> int:
         """The generation the Redis index must be at (or ahead of)."""
         return int(await self.pool.fetchval(QUERIES["index_generation"]))

@@ -27,8 +27,9 @@ from shared.store import Checkpoint, LiveSchedule, Store
 
 log = logging.getLogger(__name__)
 
-#: Drift repair looks this far behind the previous check (clock skew, slow commits).
-DRIFT_OVERLAP_MS = 120_000
+#: Drift repair looks this far behind the previous check, on PostgreSQL's clock: a row is
+#: stamped when its transaction starts, and may commit a little later.
+DRIFT_OVERLAP_MS = 10_000
 #: Members read from Redis per round trip during a full drift scan.
 SCAN_BATCH = 1000
 #: Tombstones are kept at least this long: past any rebuild or repair that read PostgreSQL
@@ -83,6 +84,7 @@ class Sweeper:
         self.identity = uuid.uuid4().hex
         self.rebuilding: asyncio.Task[None] | None = None
         self._last_drift_ms = 0
+        self._drift_since_ms: int | None = None
         self._last_full_drift: float | None = None
         self._last_retention = 0.0
         self._last_tombstones_ms = 0
@@ -252,10 +254,14 @@ class Sweeper:
         now = self.now_ms()
         if now - self._last_drift_ms < self.settings.drift_check_interval_s * 1000:
             return
-        since = (self._last_drift_ms or now) - DRIFT_OVERLAP_MS
         self._last_drift_ms = now
         if self.rebuilding is not None and not self.rebuilding.done():
             return
+        # Incremental: only rows stamped since the previous check began (each row is looked
+        # at about once, so a herd's own rows are never re-read check after check).
+        database_now = await self.store.clock_ms()
+        since = (self._drift_since_ms or database_now) - DRIFT_OVERLAP_MS
+        self._drift_since_ms = database_now
         async for chunk in self.store.changed_schedules(since, self.settings.rebuild_batch):
             await self.reconcile(chunk)
         last_full = self._last_full_drift

@@ -166,3 +166,7 @@ SELECT generation FROM index_generation;
 -- advance_index_generation --
 -- Record the generation Redis was moved to (never backwards).
 UPDATE index_generation SET generation = GREATEST(generation, $1::bigint);
+
+-- clock_ms --
+-- PostgreSQL's clock (ms): drift repair's windows are measured on the clock that stamps rows.
+SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
