@@ -38,7 +38,7 @@ from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
 from shared.index import Index
 from shared.plan import AfterCompletionRule, Plan
-from shared.store import CommandAudit, NewScheduleRow, ScheduleRow, Store
+from shared.store import CommandAudit, NewScheduleRow, PendingRun, ScheduleRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -373,6 +373,7 @@ class Intake:
             version = old.version + 1
             gone = rotation.Placement("deleted", None, None, old.fires, old.last_fire_ms)
             row = await self.store.put_schedule(conn, _next_version(old, gone, old.definition))
+            await self.store.drop_pending_runs(conn, namespace, schedule_id)
             reply = {"ok": True, "schedule": view(row, now)}
             await self._record(conn, audit, version, reply)
         shard = self.index.shard_of(namespace, schedule_id)
@@ -422,9 +423,13 @@ class Intake:
                 "schedule": view(old, now),
                 "trigger": {
                     "fire_time": timefmt.format_ms(now),
-                    "idempotency_key": schedule.idempotency_key(namespace, schedule_id, now),
+                    "idempotency_key": schedule.trigger_key(namespace, schedule_id, now),
                 },
             }
+            # Durable before the reply says ok: a rebuild of a lost index restores it.
+            await self.store.add_pending_run(
+                conn, PendingRun(namespace, schedule_id, "trigger", now)
+            )
             await self._record(conn, audit, old.version, reply)
         plan = compact.decode(old.compact)
         shard = self.index.shard_of(namespace, schedule_id)
@@ -498,8 +503,10 @@ class Intake:
         member = keys.trigger_member(namespace, schedule_id, fire_ms)
         if await self.index.knows(shard, member):
             return
-        if await self.store.execution_exists(namespace, schedule_id, fire_ms):
-            return
+        if not await self.store.pending_run_exists(
+            PendingRun(namespace, schedule_id, "trigger", fire_ms)
+        ):
+            return  # it ran to completion (or its schedule was deleted)
         await self.index.add_trigger(shard, member, fire_ms)
         await self.wake(shard, fire_ms)
 

@@ -26,7 +26,7 @@ from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import delivery, metrics, schedule, transient
+from shared import delivery, metrics, transient
 from shared.batcher import Batcher
 from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
@@ -189,7 +189,7 @@ class Executor:
 
     async def process(self, occ: Occurrence) -> None:
         """Deliver and settle one fenced occurrence (waiting out Redis outages)."""
-        key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
+        key = occ.idempotency_key
         chosen = settle.missed_choice(occ, self.now_ms())
         if chosen != occ.nominal_ms:
             metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from redis.asyncio.lock import Lock
 
+from services.sweeper import pending
 from shared import compact, db, keys, metrics, rotation, transient
 from shared.config import SweeperSettings
 from shared.index import Index, Upsert
@@ -71,6 +72,7 @@ class Sweeper:
         self._last_drift_ms = 0
         self._last_full_drift = 0.0
         self._last_retention = 0.0
+        self.pending_repair = pending.PendingRepair(index, store)
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -175,6 +177,7 @@ class Sweeper:
                         "rebuild progress",
                         extra={"action": "rebuild_progress", "schedules": written},
                     )
+            await pending.restore_all(self.index, self.store, self.settings.rebuild_batch)
             await self.index.client.set(self.index.keys.epoch, str(self.now_ms()))
         finally:
             metrics.REBUILD_RUNNING.set(0)
@@ -218,6 +221,7 @@ class Sweeper:
             return
         async for chunk in self.store.changed_schedules(since, self.settings.rebuild_batch):
             await self.reconcile(chunk)
+        await self.pending_repair.check(now)
         if time.monotonic() - self._last_full_drift >= self.settings.drift_full_interval_s:
             self._last_full_drift = time.monotonic()
             await self.full_drift_scan()
