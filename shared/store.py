@@ -360,10 +360,12 @@ class Store:
 
     # --- pending runs (outside the rotation, durable until they complete) ---------------------
 
-    async def add_pending_run(self, conn: Connection, run: PendingRun) -> None:
-        await conn.execute(
+    async def add_pending_run(self, conn: Connection, run: PendingRun) -> bool:
+        """False when that very run is pending already (nothing written)."""
+        added = await conn.fetchval(
             QUERIES["add_pending_run"], run.namespace, run.id, run.kind, run.nominal_ms
         )
+        return added is not None
 
     async def drop_pending_runs(self, conn: Connection, namespace: str, schedule_id: str) -> None:
         await conn.execute(QUERIES["drop_pending_runs"], namespace, schedule_id)

@@ -43,6 +43,8 @@ from shared.store import CommandAudit, NewScheduleRow, PendingRun, ScheduleRow, 
 log = logging.getLogger(__name__)
 
 NEXT_FIRES_SHOWN = 5
+#: How far (ms) a trigger may move forward to get an identity of its own.
+MAX_TRIGGER_SHIFT_MS = 1000
 Wake = Callable[[int, int], Awaitable[None]]
 
 
@@ -415,9 +417,10 @@ class Intake:
     async def trigger(
         self, namespace: str, schedule_id: str, audit: CommandAudit
     ) -> dict[str, Any]:
-        now = self.now_ms()
         async with self.store.transaction() as conn:
             old = await self._existing(conn, namespace, schedule_id)
+            # Durable before the reply says ok: a rebuild of a lost index restores it.
+            now = await self._pending_trigger(conn, namespace, schedule_id, self.now_ms())
             reply = {
                 "ok": True,
                 "schedule": view(old, now),
@@ -426,10 +429,6 @@ class Intake:
                     "idempotency_key": schedule.trigger_key(namespace, schedule_id, now),
                 },
             }
-            # Durable before the reply says ok: a rebuild of a lost index restores it.
-            await self.store.add_pending_run(
-                conn, PendingRun(namespace, schedule_id, "trigger", now)
-            )
             await self._record(conn, audit, old.version, reply)
         plan = compact.decode(old.compact)
         shard = self.index.shard_of(namespace, schedule_id)
@@ -446,6 +445,22 @@ class Intake:
         await self._write_index(lambda: self.index.add_trigger(shard, member, now))
         await self.wake(shard, now)
         return reply
+
+    async def _pending_trigger(
+        self, conn: Any, namespace: str, schedule_id: str, now_ms: int
+    ) -> int:
+        """Keep a new trigger pending; returns its time. A trigger's identity is its time, so
+        a second trigger of the schedule within the same millisecond takes the next free one
+        (the schedule's row lock orders them)."""
+        for offset in range(MAX_TRIGGER_SHIFT_MS):
+            run = PendingRun(namespace, schedule_id, "trigger", now_ms + offset)
+            if await self.store.add_pending_run(conn, run):
+                return run.nominal_ms
+        raise ValidationFailed(
+            "conflict",
+            f"more than {MAX_TRIGGER_SHIFT_MS} triggers of {namespace}/{schedule_id} pending now",
+            [{"field": "id", "reason": "too many triggers at once; try again"}],
+        )
 
     async def get(self, namespace: str, schedule_id: str) -> dict[str, Any]:
         row = await self.store.get_schedule(namespace, schedule_id)

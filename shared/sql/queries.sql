@@ -157,10 +157,12 @@ SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.de
     created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END;
 
 -- add_pending_run --
--- An occurrence outside the rotation, kept until its run completes (with the command's audit).
+-- An occurrence outside the rotation, kept until its run completes (with the command's audit);
+-- no row back when that occurrence is pending already.
 INSERT INTO pending_runs (namespace, id, kind, nominal_ms)
 VALUES ($1, $2, $3, $4)
-ON CONFLICT DO NOTHING;
+ON CONFLICT DO NOTHING
+RETURNING nominal_ms;
 
 -- drop_pending_runs --
 -- Every pending run of a schedule (it is deleted).
