@@ -367,8 +367,11 @@ class Store:
         )
         return added is not None
 
-    async def drop_pending_runs(self, conn: Connection, namespace: str, schedule_id: str) -> None:
-        await conn.execute(QUERIES["drop_pending_runs"], namespace, schedule_id)
+    async def drop_pending_runs(
+        self, conn: Connection, namespace: str, schedule_id: str
+    ) -> list[PendingRun]:
+        records = await conn.fetch(QUERIES["drop_pending_runs"], namespace, schedule_id)
+        return [PendingRun(r["namespace"], r["id"], r["kind"], r["nominal_ms"]) for r in records]
 
     async def pending_run_exists(self, run: PendingRun) -> bool:
         return bool(

@@ -375,12 +375,14 @@ class Intake:
             version = old.version + 1
             gone = rotation.Placement("deleted", None, None, old.fires, old.last_fire_ms)
             row = await self.store.put_schedule(conn, _next_version(old, gone, old.definition))
-            await self.store.drop_pending_runs(conn, namespace, schedule_id)
+            dropped = await self.store.drop_pending_runs(conn, namespace, schedule_id)
             reply = {"ok": True, "schedule": view(row, now)}
             await self._record(conn, audit, version, reply)
         shard = self.index.shard_of(namespace, schedule_id)
         member = keys.member(namespace, schedule_id)
-        await self._write_index(lambda: self.index.remove({shard: [(member, version)]}))
+        # Its pending triggers go too, even one already handed to the broker: fenced out.
+        gone_runs = [(m, None) for m in _trigger_members(dropped)]
+        await self._write_index(lambda: self.index.remove({shard: [(member, version), *gone_runs]}))
         return reply
 
     async def pause(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
@@ -572,6 +574,14 @@ def _next_version(
         placement.last_fire_ms,
         placement.next_nominal,
     )
+
+
+def _trigger_members(runs: list[PendingRun]) -> list[str]:
+    return [
+        keys.trigger_member(run.namespace, run.id, run.nominal_ms)
+        for run in runs
+        if run.kind == "trigger"
+    ]
 
 
 def _current_of(row: ScheduleRow) -> rotation.Current:

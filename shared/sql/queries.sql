@@ -165,8 +165,9 @@ ON CONFLICT DO NOTHING
 RETURNING nominal_ms;
 
 -- drop_pending_runs --
--- Every pending run of a schedule (it is deleted).
-DELETE FROM pending_runs WHERE namespace = $1 AND id = $2;
+-- Every pending run of a schedule (it is deleted); returns what was dropped.
+DELETE FROM pending_runs WHERE namespace = $1 AND id = $2
+RETURNING namespace, id, kind, nominal_ms;
 
 -- finish_pending_runs --
 -- Runs that completed (succeeded or dead) are no longer pending (with their execution rows).

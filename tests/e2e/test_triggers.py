@@ -177,3 +177,22 @@ async def test_a_trigger_herd_delivers_each_key_exactly_once(
     assert set(seen) == promised
     assert all(r.attempt == 1 and r.headers["x-cronbus-trigger"] == "manual" for r in sink.received)
     assert await wait_until(lambda: nothing_pending(database_url), 10)
+
+
+async def test_deleting_a_schedule_drops_its_pending_triggers(
+    stack: Stack, sink: Sink, client: CommandClient, database_url: str
+) -> None:
+    await stack.start_all(("dispatcher",))  # no executor: the triggers stay pending
+    for schedule_id in ("kept", "dropped"):
+        assert (await client.send("acme", "upsert", {"schedule": idle(sink, schedule_id)}))["ok"]
+        for _ in range(2):
+            assert (await client.send("acme", "trigger", {"id": schedule_id}))["ok"]
+    pending = "SELECT id, count(*) FROM pending_runs GROUP BY id ORDER BY id"
+    assert await query(database_url, pending) == [("dropped", 2), ("kept", 2)]
+    assert (await client.send("acme", "delete", {"id": "dropped"}))["ok"]
+    assert await query(database_url, pending) == [("kept", 2)]
+    await stack.start_all(("executor",))
+    assert await sink.wait_for(lambda s: len(s.received) >= 2, 15), stack.tails()
+    await asyncio.sleep(1.5)
+    assert sorted(r.path for r in sink.received) == ["/kept", "/kept"]
+    assert await wait_until(lambda: nothing_pending(database_url), 10)
