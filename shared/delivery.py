@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared import codec, compact, keys
+from shared import codec, compact, keys, schedule
 from shared.index import Claimed
 from shared.plan import Plan
 
@@ -43,6 +43,13 @@ class Occurrence:
     @property
     def is_trigger(self) -> bool:
         return self.trigger_ms is not None
+
+    @property
+    def idempotency_key(self) -> str:
+        """A triggered run has its own key, apart from the regular occurrence at its time."""
+        return schedule.occurrence_key(
+            self.namespace, self.id, self.nominal_ms, trigger=self.is_trigger
+        )
 
 
 def encode(items: Sequence[Claimed]) -> bytes:

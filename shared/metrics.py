@@ -101,7 +101,7 @@ INDEX_EPOCH_PRESENT = Gauge(
 )
 DRIFT_REPAIRED = Counter(
     "cronbus_drift_repaired_total",
-    "Index entries repaired from PostgreSQL, by kind (stale, missing, orphan).",
+    "Index entries repaired from PostgreSQL, by kind (stale, missing, orphan, pending).",
     ["kind"],
 )
 PARTITIONS_DROPPED = Counter(

@@ -240,15 +240,34 @@ def fire_at_ms(plan: Plan, member: str, nominal_ms: int) -> int:
 
 
 def idempotency_key(namespace: str, schedule_id: str, nominal_ms: int) -> str:
-    """Derived from the occurrence identity and nothing else, so every re-delivery repeats it.
+    """The key of a regular occurrence: derived from its identity and nothing else, so every
+    re-delivery repeats it. Never change the name hashed here: keys are stable across versions.
+    """
+    return _uuid5(f"{namespace}/{schedule_id}@{nominal_ms}")
 
-    A UUIDv5 (RFC 4122: SHA-1 of the namespace UUID and the name, version and variant bits
+
+def trigger_key(namespace: str, schedule_id: str, trigger_ms: int) -> str:
+    """The key of a triggered run: its identity is (namespace, id, trigger time, *trigger*).
+
+    The ``#trigger`` suffix keeps it apart from the regular occurrence at the same instant (a
+    regular name never holds ``#``: ids may not contain it).
+    """
+    return _uuid5(f"{namespace}/{schedule_id}@{trigger_ms}#trigger")
+
+
+def occurrence_key(namespace: str, schedule_id: str, nominal_ms: int, *, trigger: bool) -> str:
+    """The idempotency key of a regular occurrence or of a triggered run."""
+    if trigger:
+        return trigger_key(namespace, schedule_id, nominal_ms)
+    return idempotency_key(namespace, schedule_id, nominal_ms)
+
+
+def _uuid5(name: str) -> str:
+    """A UUIDv5 (RFC 4122: SHA-1 of the namespace UUID and the name, version and variant bits
     set), built directly rather than through ``uuid.uuid5``: it is on every delivery's path.
     """
     digest = bytearray(
-        hashlib.sha1(
-            _KEY_PREFIX + f"{namespace}/{schedule_id}@{nominal_ms}".encode(), usedforsecurity=False
-        ).digest()[:16]
+        hashlib.sha1(_KEY_PREFIX + name.encode(), usedforsecurity=False).digest()[:16]
     )
     digest[6] = (digest[6] & 0x0F) | 0x50
     digest[8] = (digest[8] & 0x3F) | 0x80

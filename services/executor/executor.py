@@ -26,7 +26,7 @@ from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import delivery, metrics, schedule, transient
+from shared import delivery, metrics, transient
 from shared.batcher import Batcher
 from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
@@ -222,7 +222,7 @@ class Executor:
         for occ in occurrences:
             now = await self.begin(occ)
             if now is not None:
-                key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
+                key = occ.idempotency_key
                 log.error(
                     "poison delivery: occurrence ends dead",
                     extra={"action": "poison", "schedule": occ.member, "reason": reason},
@@ -290,7 +290,7 @@ class Executor:
         the delivery: an occurrence whose lease ran out while it waited was handed out again
         by the sweeper, and is left to that copy. Misfire decisions use the Redis clock.
         """
-        key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
+        key = occ.idempotency_key
         async with self.slots:
             self._waiting.pop((occ.shard, occ.member), None)
             now = await self.begin(occ)

@@ -19,6 +19,7 @@ from typing import Any
 
 from redis.asyncio.lock import Lock
 
+from services.sweeper import pending
 from shared import compact, db, keys, metrics, rotation, transient
 from shared.config import SweeperSettings
 from shared.index import Index, Upsert
@@ -88,6 +89,7 @@ class Sweeper:
         self._last_full_drift: float | None = None
         self._last_retention = 0.0
         self._last_tombstones_ms = 0
+        self.pending_repair = pending.PendingRepair(index, store)
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -215,6 +217,7 @@ class Sweeper:
                         "rebuild progress",
                         extra={"action": "rebuild_progress", "schedules": written},
                     )
+            await pending.restore_all(self.index, self.store, self.settings.rebuild_batch)
             generation = await self.store.index_generation() + 1
             await self.index.client.set(self.index.keys.epoch, generation)
             await self.store.advance_index_generation(generation)
@@ -264,6 +267,7 @@ class Sweeper:
         self._drift_since_ms = database_now
         async for chunk in self.store.changed_schedules(since, self.settings.rebuild_batch):
             await self.reconcile(chunk)
+        await self.pending_repair.check(now)
         last_full = self._last_full_drift
         if last_full is None or time.monotonic() - last_full >= self.settings.drift_full_interval_s:
             self._last_full_drift = time.monotonic()

@@ -285,3 +285,34 @@ def test_with_jitter_nothing_on_time_is_skipped_and_what_fires_was_due(
         current = schedule.next_nominal(plan, current)
     if policy == "skip":
         assert not schedule.is_missed(plan, member, chosen, now)
+
+
+def test_a_trigger_at_the_instant_of_a_regular_occurrence_has_another_key() -> None:
+    whole_second = T("2027-01-04T08:00:00Z")
+    regular = schedule.idempotency_key("billing", "invoice-42", whole_second)
+    triggered = schedule.trigger_key("billing", "invoice-42", whole_second)
+    assert triggered != regular
+    # Regular keys are those of earlier versions, byte for byte (targets deduplicate on them).
+    assert regular == str(
+        uuid.uuid5(schedule.IDEMPOTENCY_NAMESPACE, f"billing/invoice-42@{whole_second}")
+    )
+    assert schedule.occurrence_key("billing", "invoice-42", whole_second, trigger=False) == regular
+    assert schedule.occurrence_key("billing", "invoice-42", whole_second, trigger=True) == triggered
+
+
+ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,20}", fullmatch=True)
+namespaces = st.from_regex(r"[a-z0-9][a-z0-9_-]{0,10}", fullmatch=True)
+
+
+@given(namespaces, ids, st.integers(0, 2**53), namespaces, ids, st.integers(0, 2**53))
+def test_a_trigger_key_never_equals_a_regular_key(
+    namespace: str, schedule_id: str, at: int, other_ns: str, other_id: str, other_at: int
+) -> None:
+    triggered = schedule.trigger_key(namespace, schedule_id, at)
+    assert triggered == schedule.trigger_key(namespace, schedule_id, at)
+    assert triggered == str(
+        uuid.uuid5(schedule.IDEMPOTENCY_NAMESPACE, f"{namespace}/{schedule_id}@{at}#trigger")
+    )
+    # Whatever the identities, a trigger's key is not a regular occurrence's key.
+    assert triggered != schedule.idempotency_key(namespace, schedule_id, at)
+    assert triggered != schedule.idempotency_key(other_ns, other_id, other_at)
