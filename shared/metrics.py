@@ -50,6 +50,10 @@ DELIVERED = Counter(
     "Delivery attempts by target kind and outcome (succeeded, failed, dead).",
     ["target", "outcome"],
 )
+WEBHOOK_REFUSED = Counter(
+    "cronbus_webhook_refused_total",
+    "Webhook attempts refused because the host resolved to an address not allowed.",
+)
 RETRIES = Counter("cronbus_retries_total", "Occurrences put back for another attempt.")
 DEAD = Counter("cronbus_dead_total", "Occurrences that failed every attempt.")
 STALE = Counter(

@@ -39,7 +39,7 @@ class ExecutorService(ServiceBase):
     async def run(self, stopping: asyncio.Event) -> None:
         settings, connections = self.settings, self.connections
         tasks = self.tasks = Tasks(stopping)
-        webhooks = Webhooks(settings.http_connections_per_host)
+        webhooks = Webhooks.from_settings(settings)
         audit: AuditWriter | None = None
         try:
             await connections.open(stopping, tasks)

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Callable
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
-from services.executor.http import HttpClient, HttpError
+from services.executor.http import NOT_ALLOWED, AddressNotAllowed, HttpClient, HttpError
+from services.executor.secrets import SecretHeaders, SecretMissing, SigningSecrets
 from services.executor.settle import Outcome
-from shared import timefmt
+from shared import metrics, signing, timefmt
+from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
 from shared.plan import AmqpPlan, WebhookPlan
+
+log = logging.getLogger(__name__)
 
 USER_AGENT = "cronbus/0.1"
 
@@ -30,27 +37,76 @@ def pinned_headers(occ: Occurrence, key: str) -> dict[str, str]:
 
 
 class Webhooks:
-    """One pooled HTTP client for every webhook this executor calls."""
+    """One pooled HTTP client for every webhook this executor calls, with the operator's
+    address policy, signing secrets and secret headers."""
 
-    def __init__(self, connections_per_host: int) -> None:
-        self.client = HttpClient(connections_per_host, user_agent=USER_AGENT)
+    def __init__(
+        self,
+        client: HttpClient,
+        signing_secrets: SigningSecrets | None = None,
+        secret_headers: SecretHeaders | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = client
+        self.signing_secrets = signing_secrets
+        self.secret_headers = secret_headers or SecretHeaders("")
+        self.clock = clock
+
+    @classmethod
+    def from_settings(cls, settings: ExecutorSettings) -> Webhooks:
+        client = HttpClient(
+            settings.http_connections_per_host,
+            settings.address_policy(),
+            total=settings.http_connections_total,
+            idle_s=settings.http_idle_s,
+            user_agent=USER_AGENT,
+        )
+        signing_secrets = (
+            SigningSecrets(settings.signing_secrets_file) if settings.signing_secrets_file else None
+        )
+        return cls(client, signing_secrets, SecretHeaders(settings.secrets_dir))
 
     async def close(self) -> None:
         await self.client.close()
 
-    async def deliver(self, occ: Occurrence, key: str) -> Outcome:
-        target = occ.plan.target
-        assert isinstance(target, WebhookPlan)
+    def _headers(self, occ: Occurrence, key: str, target: WebhookPlan) -> list[tuple[str, str]]:
+        """Every header of the request; SecretMissing when a secret header cannot be read."""
         headers = list(target.headers)
+        for name, secret in target.secret_headers:
+            headers.append((name, self.secret_headers.value(occ.namespace, secret)))
         headers += pinned_headers(occ, key).items()
         if target.body is not None:
             headers.append(("Content-Type", "application/json"))
+        if self.signing_secrets is not None:
+            keys = self.signing_secrets.keys_for(occ.namespace)
+            headers += signing.headers(keys, key, int(self.clock()), target.body or b"")
+        return headers
+
+    async def deliver(self, occ: Occurrence, key: str) -> Outcome:
+        target = occ.plan.target
+        assert isinstance(target, WebhookPlan)
+        try:
+            headers = self._headers(occ, key, target)
+        except SecretMissing as exc:
+            return Outcome(False, None, str(exc)[:500])
         try:
             response = await self.client.request(
                 target.method, target.url, headers, target.body, target.timeout_ms / 1000
             )
         except TimeoutError:
             return Outcome(False, None, f"timed out after {target.timeout_ms / 1000:g}s")
+        except AddressNotAllowed as exc:
+            metrics.WEBHOOK_REFUSED.inc()
+            log.warning(
+                "webhook refused: its host resolves to an address not allowed",
+                extra={
+                    "action": "webhook_refused",
+                    "schedule": occ.member,
+                    "host": exc.host,
+                    "address": exc.address,
+                },
+            )
+            return Outcome(False, None, NOT_ALLOWED)
         except HttpError as exc:
             return Outcome(False, None, str(exc)[:500])
         status = response.status
