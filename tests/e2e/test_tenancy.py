@@ -20,7 +20,7 @@ import standardwebhooks
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import codec, keys
+from shared import amqp, codec, keys
 from tests.e2e.test_firing import events_queue
 from tests.support.hostile import HostileServer
 from tests.support.stack import Proc, Stack
@@ -229,7 +229,7 @@ async def test_secret_headers_reach_the_target_and_nowhere_else(
         # A copy of every delivery message, as anyone reading the broker would see it.
         channel = await connection.channel()
         copies = await channel.declare_queue(exclusive=True)
-        await copies.bind(keys.DELIVERIES_EXCHANGE, routing_key="#")
+        await copies.bind(keys.DELIVERIES_EXCHANGE, routing_key=amqp.DELIVERIES_ROUTING_KEY)
         async with events_queue(amqp_url, "acme.*") as events:
             target = {
                 "kind": "webhook",
