@@ -37,13 +37,27 @@ def _file_identity(path: str) -> tuple[int, int, int, int]:
 
 class SigningSecrets:
     """``CRONBUS_SIGNING_SECRETS_FILE``, re-read when it changes. A file that turns bad keeps
-    the last good secrets (and says so in the log); a bad file at start stops the executor."""
+    the last good secrets (and says so in the log); a bad file at start stops the executor
+    (SecretsError). A missing file means no secrets until it appears (an optional Kubernetes
+    Secret not created yet)."""
 
     def __init__(self, path: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self.clock = clock
-        self._identity = _file_identity(path)
-        self._secrets: signing.Secrets = signing.parse_secrets(Path(path).read_bytes())
+        self._identity: tuple[int, int, int, int] | None = None
+        self._secrets: signing.Secrets = {}
+        try:
+            self._identity = _file_identity(path)
+        except FileNotFoundError:
+            log.warning(
+                "no signing secrets file yet: deliveries go unsigned until it appears",
+                extra={"action": "signing_secrets_missing", "path": path},
+            )
+        else:
+            try:
+                self._secrets = signing.parse_secrets(Path(path).read_bytes())
+            except signing.SecretsError as exc:
+                raise signing.SecretsError(f"CRONBUS_SIGNING_SECRETS_FILE {path}: {exc}") from None
         self._next_check = clock() + CHECK_EVERY_S
 
     def keys_for(self, namespace: str) -> tuple[bytes, ...]:

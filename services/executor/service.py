@@ -11,6 +11,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.executor import Executor
+from services.executor.secrets import SigningSecrets
 from services.executor.targets import AmqpTargets, Webhooks
 from shared import amqp, transient
 from shared.config import ExecutorSettings
@@ -25,6 +26,10 @@ class ExecutorService(ServiceBase):
     def __init__(self, settings: ExecutorSettings) -> None:
         super().__init__(settings)
         self.settings = settings
+        #: Read now, so that a bad file stops the start (SecretsError) before anything runs.
+        self.signing_secrets = (
+            SigningSecrets(settings.signing_secrets_file) if settings.signing_secrets_file else None
+        )
         self.consuming = False
         self._messages: set[asyncio.Task[None]] = set()
 
@@ -39,7 +44,7 @@ class ExecutorService(ServiceBase):
     async def run(self, stopping: asyncio.Event) -> None:
         settings, connections = self.settings, self.connections
         tasks = self.tasks = Tasks(stopping)
-        webhooks = Webhooks.from_settings(settings)
+        webhooks = Webhooks.from_settings(settings, self.signing_secrets)
         audit: AuditWriter | None = None
         try:
             await connections.open(stopping, tasks)

@@ -53,16 +53,15 @@ class Webhooks:
         self.clock = clock
 
     @classmethod
-    def from_settings(cls, settings: ExecutorSettings) -> Webhooks:
+    def from_settings(
+        cls, settings: ExecutorSettings, signing_secrets: SigningSecrets | None
+    ) -> Webhooks:
         client = HttpClient(
             settings.http_connections_per_host,
             settings.address_policy(),
             total=settings.http_connections_total,
             idle_s=settings.http_idle_s,
             user_agent=USER_AGENT,
-        )
-        signing_secrets = (
-            SigningSecrets(settings.signing_secrets_file) if settings.signing_secrets_file else None
         )
         return cls(client, signing_secrets, SecretHeaders(settings.secrets_dir))
 
