@@ -29,6 +29,9 @@ class CommonSettings(BaseSettings):
     redis_cluster: bool = False
     #: Prefix of every Redis key (side-by-side installs and tests use their own).
     redis_prefix: str = Field(default="cronbus", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    #: CA bundle that signed the Redis server's certificate (rediss:// only); empty: the
+    #: system's trust store. The hostname is always verified.
+    redis_ca_file: str = ""
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     database_url: str = "postgresql://postgres@127.0.0.1:5432/cronbus"
     #: Logical shards of the index; fixed at install (changing it needs a rebuild).

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import hiredis
 import redis.asyncio as aioredis
@@ -42,6 +43,12 @@ def connect(settings: CommonSettings) -> RedisClient:
         "health_check_interval": 15,
         "connection_class": FastConnection,
     }
+    if urlsplit(settings.redis_url).scheme == "rediss":
+        # TLS (the URL's scheme picks redis-py's SSL connection): the certificate and the
+        # hostname are verified, against our CA when one is given.
+        options.update(ssl_cert_reqs="required", ssl_check_hostname=True)
+        if settings.redis_ca_file:
+            options["ssl_ca_certs"] = settings.redis_ca_file
     if settings.redis_cluster:
         return RedisCluster.from_url(settings.redis_url, **options)
     return aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)
