@@ -13,7 +13,7 @@ from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from services.executor.http import NOT_ALLOWED, AddressNotAllowed, HttpClient, HttpError
 from services.executor.secrets import SecretHeaders, SecretMissing, SigningSecrets
 from services.executor.settle import Outcome
-from shared import metrics, signing, timefmt
+from shared import metrics, signing, timefmt, tracing
 from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
 from shared.plan import AmqpPlan, WebhookPlan
@@ -33,6 +33,7 @@ def pinned_headers(occ: Occurrence, key: str) -> dict[str, str]:
     }
     if occ.is_trigger:
         headers["X-Cronbus-Trigger"] = "manual"
+    headers["traceparent"] = tracing.traceparent(key, occ.attempt)
     return headers
 
 

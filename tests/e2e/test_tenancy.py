@@ -20,7 +20,7 @@ import standardwebhooks
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import amqp, codec, keys
+from shared import amqp, codec, keys, tracing
 from tests.e2e.test_firing import events_queue
 from tests.support.hostile import HostileServer
 from tests.support.stack import Proc, Stack
@@ -163,6 +163,7 @@ async def test_deliveries_are_signed_and_secrets_rotate_without_a_restart(
     ), stack.tails()
     first = next(r for r in sink.received if r.path == "/signed")
     assert first.headers["webhook-id"] == first.key
+    assert first.headers["traceparent"] == tracing.traceparent(first.key, first.attempt)
     assert abs(int(first.headers["webhook-timestamp"]) - time.time()) < 10
     assert standardwebhooks.Webhook(old).verify(first.body, first.headers) == {"invoice": 42}
     with pytest.raises(standardwebhooks.WebhookVerificationError):
