@@ -46,6 +46,9 @@ class CommonSettings(BaseSettings):
     shutdown_grace_s: float = Field(default=20, ge=0, le=600)
     #: Apply pending database migrations when the service starts.
     migrate_on_start: bool = True
+    #: OpenTelemetry collector (OTLP over HTTP, e.g. http://otel-collector:4318) that receives
+    #: claim, publish, deliver and settle spans; empty: no export (and no cost).
+    otlp_endpoint: str = ""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: json: one JSON object per line; text: for people at a terminal.
     log_format: Literal["json", "text"] = "json"

@@ -13,7 +13,7 @@ from services.executor.events import Events
 from services.executor.executor import Executor
 from services.executor.secrets import SigningSecrets
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import amqp, transient
+from shared import amqp, spans, transient
 from shared.config import ExecutorSettings
 from shared.service import ServiceBase, Tasks
 
@@ -30,6 +30,7 @@ class ExecutorService(ServiceBase):
         self.signing_secrets = (
             SigningSecrets(settings.signing_secrets_file) if settings.signing_secrets_file else None
         )
+        self.spans = spans.open_spans(settings.otlp_endpoint, self.name)
         self.consuming = False
         self._messages: set[asyncio.Task[None]] = set()
 
@@ -45,6 +46,7 @@ class ExecutorService(ServiceBase):
         settings, connections = self.settings, self.connections
         tasks = self.tasks = Tasks(stopping)
         webhooks = Webhooks.from_settings(settings, self.signing_secrets)
+        webhooks.sampled = self.spans is not None
         audit: AuditWriter | None = None
         try:
             await connections.open(stopping, tasks)
@@ -55,10 +57,11 @@ class ExecutorService(ServiceBase):
                 settings,
                 connections.index,
                 webhooks,
-                AmqpTargets(connections.amqp),
+                AmqpTargets(connections.amqp, sampled=self.spans is not None),
                 audit,
                 Events(connections.amqp, settings.events),
                 stopping,
+                spans=self.spans,
             )
             await self._serve(stopping, tasks, executor, audit)
         finally:
@@ -66,6 +69,8 @@ class ExecutorService(ServiceBase):
                 await audit.close(timeout_s=5)
             await webhooks.close()
             await connections.close()
+            if self.spans is not None:
+                await asyncio.to_thread(self.spans.shutdown)
 
     async def _serve(
         self, stopping: asyncio.Event, tasks: Tasks, executor: Executor, audit: AuditWriter

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 USER_AGENT = "cronbus/0.1"
 
 
-def pinned_headers(occ: Occurrence, key: str) -> dict[str, str]:
+def pinned_headers(occ: Occurrence, key: str, sampled: bool = False) -> dict[str, str]:
     """The headers every delivery carries (the pinned contract)."""
     headers = {
         "Idempotency-Key": key,
@@ -33,7 +33,7 @@ def pinned_headers(occ: Occurrence, key: str) -> dict[str, str]:
     }
     if occ.is_trigger:
         headers["X-Cronbus-Trigger"] = "manual"
-    headers["traceparent"] = tracing.traceparent(key, occ.attempt)
+    headers["traceparent"] = tracing.traceparent(key, occ.attempt, sampled)
     return headers
 
 
@@ -52,6 +52,8 @@ class Webhooks:
         self.signing_secrets = signing_secrets
         self.secret_headers = secret_headers or SecretHeaders("")
         self.clock = clock
+        #: Spans are exported: the traceparent says "sampled".
+        self.sampled = False
 
     @classmethod
     def from_settings(
@@ -74,7 +76,7 @@ class Webhooks:
         headers = list(target.headers)
         for name, secret in target.secret_headers:
             headers.append((name, self.secret_headers.value(occ.namespace, secret)))
-        headers += pinned_headers(occ, key).items()
+        headers += pinned_headers(occ, key, self.sampled).items()
         if target.body is not None:
             headers.append(("Content-Type", "application/json"))
         if self.signing_secrets is not None:
@@ -123,8 +125,9 @@ def _succeeded(status: int, codes: frozenset[int] | None) -> bool:
 class AmqpTargets:
     """Publishes to users' exchanges with publisher confirms; ``message_id`` is the key."""
 
-    def __init__(self, connection: AbstractRobustConnection) -> None:
+    def __init__(self, connection: AbstractRobustConnection, sampled: bool = False) -> None:
         self.connection = connection
+        self.sampled = sampled
         self._channel: AbstractChannel | None = None
         self._lock = asyncio.Lock()
 
@@ -140,7 +143,7 @@ class AmqpTargets:
         target = occ.plan.target
         assert isinstance(target, AmqpPlan)
         headers: dict[str, object] = dict(target.headers)
-        pinned = pinned_headers(occ, key)
+        pinned = pinned_headers(occ, key, self.sampled)
         del pinned["Idempotency-Key"]
         headers.update(pinned)
         message = aio_pika.Message(
