@@ -72,6 +72,9 @@ class WebhookPolicySettings(CommonSettings):
         netpolicy.parse_networks(_csv(value))
         return value
 
+    def allowed_hosts(self) -> tuple[str, ...]:
+        return _csv(self.webhook_allowed_hosts)
+
     def address_policy(self) -> netpolicy.AddressPolicy:
         return netpolicy.AddressPolicy.from_text(
             _csv(self.webhook_allowed_networks), _csv(self.webhook_denied_networks)

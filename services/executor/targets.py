@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -10,7 +12,13 @@ from collections.abc import Callable
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
-from services.executor.http import NOT_ALLOWED, AddressNotAllowed, HttpClient, HttpError
+from services.executor.http import (
+    NOT_ALLOWED,
+    AddressNotAllowed,
+    HttpClient,
+    HttpError,
+    parse_url,
+)
 from services.executor.secrets import SecretHeaders, SecretMissing, SigningSecrets
 from services.executor.settle import Outcome
 from shared import metrics, signing, timefmt, tracing
@@ -21,6 +29,7 @@ from shared.plan import AmqpPlan, WebhookPlan
 log = logging.getLogger(__name__)
 
 USER_AGENT = "cronbus/0.1"
+HOST_NOT_ALLOWED = "target host not allowed"
 
 
 def pinned_headers(occ: Occurrence, key: str, sampled: bool = False) -> dict[str, str]:
@@ -47,8 +56,11 @@ class Webhooks:
         signing_secrets: SigningSecrets | None = None,
         secret_headers: SecretHeaders | None = None,
         clock: Callable[[], float] = time.time,
+        allowed_hosts: tuple[str, ...] = ("*",),
     ) -> None:
         self.client = client
+        #: Host-name globs (CRONBUS_WEBHOOK_ALLOWED_HOSTS), checked again at every delivery.
+        self.allowed_hosts = None if "*" in allowed_hosts else allowed_hosts
         self.signing_secrets = signing_secrets
         self.secret_headers = secret_headers or SecretHeaders("")
         self.clock = clock
@@ -66,7 +78,12 @@ class Webhooks:
             idle_s=settings.http_idle_s,
             user_agent=USER_AGENT,
         )
-        return cls(client, signing_secrets, SecretHeaders(settings.secrets_dir))
+        return cls(
+            client,
+            signing_secrets,
+            SecretHeaders(settings.secrets_dir),
+            allowed_hosts=settings.allowed_hosts(),
+        )
 
     async def close(self) -> None:
         await self.client.close()
@@ -87,6 +104,9 @@ class Webhooks:
     async def deliver(self, occ: Occurrence, key: str) -> Outcome:
         target = occ.plan.target
         assert isinstance(target, WebhookPlan)
+        if self.allowed_hosts is not None and not _host_allowed(target.url, self.allowed_hosts):
+            metrics.WEBHOOK_REFUSED.inc()
+            return Outcome(False, None, HOST_NOT_ALLOWED)
         try:
             headers = self._headers(occ, key, target)
         except SecretMissing as exc:
@@ -116,6 +136,15 @@ class Webhooks:
             return Outcome(True, status)
         text = response.body.decode("utf-8", "replace").strip()
         return Outcome(False, status, f"HTTP {status}" + (f": {text}" if text else ""))
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_allowed(url: str, globs: tuple[str, ...]) -> bool:
+    try:
+        host = parse_url(url).host
+    except HttpError:
+        return False
+    return any(fnmatch.fnmatchcase(host, glob) for glob in globs)
 
 
 def _succeeded(status: int, codes: frozenset[int] | None) -> bool:
