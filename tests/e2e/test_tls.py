@@ -1,22 +1,27 @@
-"""TLS to Redis: a private redis-server speaking only TLS, with a CA this test creates; the
-services' Redis client connects with rediss:// and CRONBUS_REDIS_CA_FILE, and refuses a
-server it cannot verify."""
+"""TLS to Redis and PostgreSQL: private servers speaking TLS with a CA this test creates; the
+services' clients connect with rediss:// and CRONBUS_REDIS_CA_FILE, and with PostgreSQL's
+sslmode=verify-full, and refuse a server they cannot verify."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import asyncpg
 import pytest
 import redis.exceptions
 
 from shared import index, keys
 from shared.config import CommonSettings
-from tests.support import services, tls
+from shared.store import Store
+from tests.support import private, services, tls
 from tests.support.stack import Stack
 
 
@@ -96,3 +101,51 @@ async def test_a_service_runs_against_redis_over_tls(
     await stack.wait_ready(sweeper)  # /readyz: Redis answered, over TLS
     status, body = await asyncio.to_thread(sweeper.get, "/readyz")
     assert status == 200 and json.loads(body)["redis"] is True
+
+
+@pytest.fixture
+def tls_postgres() -> Iterator[tuple[int, tls.Certificates]]:
+    """A private PostgreSQL with ssl=on and a certificate for "localhost" from our CA."""
+    if private.available() is not None or os.geteuid() != 0:
+        pytest.skip(f"no private PostgreSQL here: {private.available() or 'not root'}")
+    directory = private._owned_dir("cbt-pgtls-", "postgres")
+    server = private.PrivatePostgres(services.free_port(), directory)
+    try:
+        server.start()
+        certificates = tls.make(directory, ["localhost"])
+        for path in (certificates.cert, certificates.key, certificates.ca):
+            shutil.chown(path, "postgres", "postgres")
+        with (directory / "data" / "postgresql.conf").open("a") as conf:
+            conf.write(
+                f"ssl = on\nssl_cert_file = '{certificates.cert}'\n"
+                f"ssl_key_file = '{certificates.key}'\n"
+            )
+        server.restart()
+        yield server.port, certificates
+    finally:
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_postgres_verify_full_checks_the_certificate_and_the_host_name(
+    tls_postgres: tuple[int, tls.Certificates],
+) -> None:
+    port, certificates = tls_postgres
+    ca = certificates.ca
+    url = f"postgresql://postgres@localhost:{port}/postgres"
+    # The services' PostgreSQL client: the pool behind every query, and the migrator.
+    store = await Store.open(f"{url}?sslmode=verify-full&sslrootcert={ca}", min_size=1, max_size=1)
+    try:
+        async with store.pool.acquire() as connection:
+            assert await connection.fetchval(
+                "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()"
+            )
+    finally:
+        await store.close()
+    # Under another name than the certificate's, or without our CA: refused.
+    for bad in (
+        f"postgresql://postgres@127.0.0.1:{port}/postgres?sslmode=verify-full&sslrootcert={ca}",
+        f"{url}?sslmode=verify-full&sslrootcert={certificates.cert}",
+    ):
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await asyncpg.connect(bad)
