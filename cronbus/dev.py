@@ -23,7 +23,7 @@ from cronbus.client import CommandClient
 from cronbus.common import CliError
 from cronbus.procs import SERVICES, ServiceProcess
 from cronbus.sink import Received, Sink
-from shared import db, timefmt, transient
+from shared import db, netpolicy, timefmt, transient
 from shared.config import CommonSettings
 
 LOG_DIR = Path(".cronbus-dev")
@@ -191,7 +191,8 @@ async def _dev(args: argparse.Namespace) -> int:
         sink = Sink(respond=_flaky, on_receive=_print_delivery, keep=False)
         await sink.start(port=args.sink_port)
         print(f"demo sink listening on {sink.url}")
-    env = dict(os.environ)
+    # Local sinks listen on loopback: allowed unless the developer chose otherwise.
+    env = {"CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS, **os.environ}
     children = [_start(name, args.port_base + i, env) for i, name in enumerate(SERVICES)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -32,6 +32,7 @@ from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
 from shared.index import Completion, Index
 from shared.plan import WebhookPlan
+from shared.spans import Spans
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,11 @@ class Executor:
         events: Events,
         stopping: asyncio.Event,
         clock: Callable[[], float] = time.time,
+        spans: Spans | None = None,
     ) -> None:
         self.settings = settings
+        #: None unless spans are exported (CRONBUS_OTLP_ENDPOINT).
+        self.spans = spans
         self.index = index
         self.webhooks = webhooks
         self.amqp_targets = amqp_targets
@@ -308,6 +312,8 @@ class Executor:
         await self._settle(
             occ, settle.settle(occ, key, outcome, started, finished, settled_now, self.rng)
         )
+        if self.spans is not None:
+            self._record_spans(occ, key, outcome, started, finished)
 
     def _log_misfire(self, occ: Occurrence, chosen: int | None) -> None:
         metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
@@ -321,6 +327,17 @@ class Executor:
                 "policy": occ.plan.misfire.policy,
             },
         )
+
+    def _record_spans(
+        self, occ: Occurrence, key: str, outcome: Outcome, started: int, finished: int
+    ) -> None:
+        assert self.spans is not None
+        where: dict[str, str | int | bool] = {"cronbus.schedule": f"{occ.namespace}/{occ.id}"}
+        if outcome.http_status is not None:
+            where["http.response.status_code"] = outcome.http_status
+        start_ns, end_ns = started * 1_000_000, finished * 1_000_000
+        self.spans.record("deliver", key, occ.attempt, start_ns, end_ns, where, outcome.error)
+        self.spans.record("settle", key, occ.attempt, end_ns, time.time_ns(), where)
 
     async def _deliver(self, occ: Occurrence, key: str) -> tuple[Outcome, int, int]:
         kind = "webhook" if isinstance(occ.plan.target, WebhookPlan) else "amqp"

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import codec, schedule, timefmt
+from shared import codec, netpolicy, schedule, timefmt
 from tests.support import private, services
 from tests.support.stack import Stack
 
@@ -58,6 +58,7 @@ async def env(servers: private.PrivateServices) -> AsyncIterator[dict[str, str]]
         "CRONBUS_SHUTDOWN_GRACE_S": "5",
         "CRONBUS_DRIFT_CHECK_INTERVAL_S": "2",
         "CRONBUS_EVENTS": "none",
+        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
         "CRONBUS_LOG_LEVEL": "INFO",
     }
 
