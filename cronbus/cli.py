@@ -109,9 +109,7 @@ def _add_operations(sub: Subparsers) -> None:
         help="metrics ports: dispatcher, executor, sweeper, console from here (default 9101)",
     )
     p.add_argument("--sink-port", type=int, default=8099, help="demo sink port (default 8099)")
-    p.add_argument(
-        "--console-port", type=int, default=8080, help="web console port (default 8080)"
-    )
+    p.add_argument("--console-port", type=int, default=8080, help="web console port (default 8080)")
     p.add_argument("--status-every", type=float, default=1.0, help="seconds between status lines")
     p.set_defaults(handler=dev.run)
     bench.add_parser(sub)

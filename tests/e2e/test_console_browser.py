@@ -71,9 +71,7 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
 ) -> None:
     await stack.start_all()
     port = services.free_port()
-    console = stack.start(
-        "console", CRONBUS_CONSOLE_PORT=str(port), CRONBUS_CONSOLE_ACTIONS="1"
-    )
+    console = stack.start("console", CRONBUS_CONSOLE_PORT=str(port), CRONBUS_CONSOLE_ACTIONS="1")
     await stack.wait_ready(console)
     for schedule_id in ("nightly-report", "invoice-reminder", "invoice-archive"):
         reply = await client.send(

@@ -15,7 +15,7 @@ from tests.support import services
 
 
 def _get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(url, timeout=5) as response:
         return int(response.status), response.read().decode()
 
 
