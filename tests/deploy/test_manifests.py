@@ -29,7 +29,13 @@ import pytest
 import yaml
 
 from cronbus.cli import build_parser
-from shared.config import CommonSettings, DispatcherSettings, ExecutorSettings, SweeperSettings
+from shared.config import (
+    CommonSettings,
+    ConsoleSettings,
+    DispatcherSettings,
+    ExecutorSettings,
+    SweeperSettings,
+)
 
 Obj = dict[str, Any]
 
@@ -46,9 +52,10 @@ SETTINGS: dict[str, type[CommonSettings]] = {
     "dispatcher": DispatcherSettings,
     "executor": ExecutorSettings,
     "sweeper": SweeperSettings,
+    "console": ConsoleSettings,
     "migrate": SweeperSettings,
 }
-SERVICES = ("dispatcher", "executor", "sweeper")
+SERVICES = ("dispatcher", "executor", "sweeper", "console")
 #: Settings that come from the Secret, never from a ConfigMap: field -> key in the Secret.
 SECRET_NAME = "cronbus-secrets"
 SECRET_KEYS = {"redis_url": "redis-url", "amqp_url": "amqp-url", "database_url": "database-url"}
@@ -57,6 +64,7 @@ NEEDS = {
     "dispatcher": ("redis_url", "amqp_url", "database_url"),
     "executor": ("redis_url", "amqp_url", "database_url"),
     "sweeper": ("redis_url", "amqp_url", "database_url"),
+    "console": ("redis_url", "amqp_url", "database_url"),
     "migrate": ("database_url",),
 }
 DEFAULT_PORTS = {"redis": 6379, "rediss": 6379, "amqp": 5672, "amqps": 5671, "postgresql": 5432}
@@ -590,6 +598,12 @@ def test_probes_and_services_use_the_metrics_port(overlay: str) -> None:
         for svc in services:
             for svc_port in svc["spec"]["ports"]:
                 target = resolve_port(svc_port.get("targetPort", svc_port["port"]), container)
+                if component == "console" and svc_port.get("name") == "http":
+                    # The console's pages: the port it serves them on.
+                    pages = getattr(settings, "console_port", None)
+                    if svc_port["port"] != pages or target != pages:
+                        errors.append(f"{ident(svc)}: http port {svc_port} is not {pages}")
+                    continue
                 if svc_port["port"] != port or target != port:
                     errors.append(f"{ident(svc)}: port {svc_port} is not the metrics port {port}")
     assert errors == []
