@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
-from cronbus import bench, commands, dev, importer, procs
+from cronbus import bench, commands, dev, importer, procs, top
 from cronbus import preview as preview_cmd
 from cronbus.common import CliError
 from shared.config import DispatcherSettings, ExecutorSettings, SweeperSettings
@@ -113,6 +113,7 @@ def _add_operations(sub: Subparsers) -> None:
     p.add_argument("--status-every", type=float, default=1.0, help="seconds between status lines")
     p.set_defaults(handler=dev.run)
     bench.add_parser(sub)
+    top.add_parser(sub)
     p = sub.add_parser("sink", help="an HTTP sink that prints every delivery it receives")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8099)
