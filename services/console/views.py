@@ -81,6 +81,22 @@ def attempt_of(occ: bytes | str | None) -> int | None:
     return int(parts[1])
 
 
+def duration_text(ms: int) -> str:
+    """A wait as a person reads it: ``850 ms``, ``42 s``, ``7 min 5 s``, ``5 d 9 h``."""
+    if ms < 1000:
+        return f"{max(ms, 0)} ms"
+    seconds = ms // 1000
+    units = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
+    parts = []
+    for name, size in units:
+        count, seconds = divmod(seconds, size)
+        if count or parts:
+            parts.append(f"{count} {name}")
+        if len(parts) == 2:
+            break
+    return " ".join(p for p in parts if not p.startswith("0 ")) or "0 s"
+
+
 def utc_text(value: dt.datetime | None) -> str:
     if value is None:
         return "—"

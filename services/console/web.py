@@ -72,6 +72,7 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters["utc"] = views.utc_text
+    env.filters["wait"] = views.duration_text
     env.filters["seg"] = lambda value: quote(str(value), safe="")
     env.globals["query"] = lambda **kw: urlencode({k: v for k, v in kw.items() if v})
     return env

@@ -104,3 +104,12 @@ def test_the_audited_user_is_a_plain_bounded_spelling() -> None:
     assert web.audit_user(None) == "anonymous"
     assert web.audit_user("eve\r\nX-Injected: 1<b>") == "eve__X-Injected__1_b_"
     assert len(web.audit_user("a" * 1000)) == 100
+
+
+def test_waits_read_like_a_person_says_them() -> None:
+    assert views.duration_text(850) == "850 ms"
+    assert views.duration_text(42_000) == "42 s"
+    assert views.duration_text(425_000) == "7 min 5 s"
+    assert views.duration_text(465_156_700) == "5 d 9 h"
+    assert views.duration_text(3_600_000) == "1 h"
+    assert views.duration_text(-5) == "0 ms"
