@@ -87,7 +87,7 @@ def duration_text(ms: int) -> str:
         return f"{max(ms, 0)} ms"
     seconds = ms // 1000
     units = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
-    parts = []
+    parts: list[str] = []
     for name, size in units:
         count, seconds = divmod(seconds, size)
         if count or parts:
