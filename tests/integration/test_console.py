@@ -249,3 +249,12 @@ async def test_older_pages_of_history_and_failures_follow_the_cursor(
     bad = await console.get("/failures?before=yesterday")
     assert bad.status == 400
     assert "before: is not an RFC 3339 time" in await bad.text()
+
+
+async def test_a_crafted_link_cannot_put_its_text_on_the_page(
+    store: Store, console: TestClient[Any, Any]
+) -> None:
+    await _seed(store)
+    await console.get("/")  # a session token
+    page = await console.get("/ns/billing/s/invoice-1?message=Call+0800+now&sig=00")
+    assert "Call 0800 now" not in await page.text()
