@@ -20,7 +20,10 @@ from shared.index import Index
 from shared.store import ExecutionRow, NewScheduleRow, Store
 
 HOSTILE = '<script>alert("x")</script>'
-NOW_MS = int(time.time() * 1000)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def _row(namespace: str, schedule_id: str, **extra: Any) -> NewScheduleRow:
@@ -33,7 +36,7 @@ def _row(namespace: str, schedule_id: str, **extra: Any) -> NewScheduleRow:
             "labels": extra.pop("labels", {}),
         }
     )
-    plan = validation.check_schedule(item, 1, NOW_MS, validation.TargetPolicy())
+    plan = validation.check_schedule(item, 1, _now_ms(), validation.TargetPolicy())
     return NewScheduleRow(
         namespace,
         schedule_id,
@@ -43,14 +46,14 @@ def _row(namespace: str, schedule_id: str, **extra: Any) -> NewScheduleRow:
         compact.encode(plan),
         0,
         item.labels,
-        next_fire_ms=NOW_MS + 60_000,
+        next_fire_ms=_now_ms() + 60_000,
     )
 
 
 def _execution(
     namespace: str, schedule_id: str, ago_s: int, status: str, **extra: Any
 ) -> ExecutionRow:
-    nominal = NOW_MS - ago_s * 1000
+    nominal = _now_ms() - ago_s * 1000
     return ExecutionRow(
         namespace,
         schedule_id,
@@ -151,7 +154,7 @@ async def test_a_namespace_lists_pages_and_filters_by_prefix_label_and_state(
 ) -> None:
     await _seed(store)
     shard = keys.shard_of("billing", "invoice-1", index.shards)
-    await index.client.zadd(index.keys.due(shard), {"billing/invoice-1": NOW_MS + 5000})
+    await index.client.zadd(index.keys.due(shard), {"billing/invoice-1": _now_ms() + 5000})
 
     async def ids(query: str) -> list[str]:
         response = await console.get(f"/ns/billing?{query}")

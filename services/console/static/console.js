@@ -7,8 +7,9 @@ document.addEventListener("DOMContentLoaded", () => {
       if (!window.confirm(form.dataset.confirm)) event.preventDefault();
     });
   }
-  // Changing the state filter applies it at once.
-  for (const select of document.querySelectorAll("select[data-autosubmit]")) {
-    select.addEventListener("change", () => select.form.submit());
+  // Times on the page are UTC; a hover shows the reader's own local time too.
+  for (const cell of document.querySelectorAll("td[data-utc]")) {
+    const at = new Date(cell.dataset.utc);
+    if (!Number.isNaN(at.getTime())) cell.title = "your time: " + at.toLocaleString();
   }
 });
