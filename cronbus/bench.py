@@ -27,7 +27,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import asyncpg
 import redis.asyncio as aioredis
 
-from cronbus import procs
+from cronbus import console_bench, procs
 from cronbus.common import CliError
 from cronbus.procs import ServiceProcess
 from cronbus.sink import Received, Sink
@@ -486,6 +486,7 @@ def add_parser(sub: Any) -> None:
     rebuild.add_argument("--n", type=int, default=100_000)
     rebuild.add_argument("--timeout-s", type=float, default=600)
     rebuild.set_defaults(handler=run_rebuild)
+    console_bench.add_parser(kinds)
     for kind in (herd, steady, rebuild):
         kind.add_argument("--json", action="store_true", help="one JSON line of figures")
         kind.add_argument(

@@ -159,3 +159,23 @@ class SweeperSettings(CommonSettings):
     retention_days: int = Field(default=7, ge=1, le=3650)
     #: Daily execution partitions created ahead of time.
     partitions_ahead_days: int = Field(default=3, ge=1, le=60)
+
+
+class ConsoleSettings(CommonSettings):
+    """The console: web pages over PostgreSQL and Redis, and (optionally) actions as commands."""
+
+    metrics_port: int = Field(default=9104, ge=0, le=65535)
+    #: Port of the web pages (the health server stays on metrics_port).
+    console_port: int = Field(default=8080, ge=0, le=65535)
+    #: Address the pages listen on.
+    console_host: str = "0.0.0.0"
+    #: Show pause, resume and trigger buttons and accept them (sent as commands over AMQP).
+    console_actions: bool = False
+    #: The console's own broker user for actions, so broker permissions apply to it
+    #: (empty: CRONBUS_AMQP_URL).
+    console_amqp_url: str = ""
+    #: Rows per page of schedules, executions and failures.
+    console_page_size: int = Field(default=50, ge=1, le=500)
+
+    def actions_amqp_url(self) -> str:
+        return self.console_amqp_url or self.amqp_url

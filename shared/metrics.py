@@ -161,6 +161,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
         PARTITIONS_DROPPED,
         DEPENDENCY_UP,
     ),
+    "console": (DEPENDENCY_UP,),
 }
 
 
