@@ -54,7 +54,12 @@ def make_sweeper(index: Index, store: Store, redis_prefix: str, database_url: st
 
 async def load(store: Store, index: Index, namespace: str, *items: dict[str, object]) -> None:
     result = await bulk.import_lines(
-        [codec.dumps(i) for i in items], namespace, store, index, validation.TargetPolicy(), workers=1
+        [codec.dumps(i) for i in items],
+        namespace,
+        store,
+        index,
+        validation.TargetPolicy(),
+        workers=1,
     )
     assert not result.refused, result.refused
 
@@ -70,7 +75,8 @@ def every(schedule_id: str, seconds: int, url: str = "http://127.0.0.1:9/x") -> 
 async def members(index: Index) -> set[str]:
     found: set[str] = set()
     for shard in range(SHARDS):
-        found |= {m.decode() for m in await index.client.hkeys(index.keys.sched(shard))}
+        names = await index.client.hkeys(index.keys.sched(shard))
+        found |= {m.decode() if isinstance(m, bytes) else m for m in names}
     return found
 
 
@@ -82,7 +88,7 @@ async def test_a_keep_upsert_before_the_first_fire_does_not_refuse_the_in_flight
     [occ] = delivery.decode(body)
     # A change that keeps the fire times (a label): version 2, the rotation is kept, and the
     # occurrence in flight stays current.
-    changed = {
+    changed: dict[str, object] = {
         "id": "s",
         "spec": {"kind": "interval", "every_s": 2},
         "target": {"kind": "webhook", "url": f"{sink.url}/s"},
@@ -136,12 +142,12 @@ async def test_an_orphan_scan_racing_a_recreate_does_not_bury_the_new_schedule(
             await load(store, index, "sw", every("phoenix", 60))
         return rows
 
-    store.schedule_versions = read_then_recreate  # type: ignore[method-assign]
+    store.schedule_versions = read_then_recreate  # type: ignore[method-assign,assignment]
     shard = index.shard_of("sw", "phoenix")
     try:
         await sweeper._remove_orphans(shard)
     finally:
-        del store.schedule_versions  # type: ignore[method-assign]
+        del store.schedule_versions
     row = await store.get_schedule("sw", "phoenix")
     assert row is not None and (row.state, row.version) == ("active", 3)
     # Drift repair (a full scan) and the tombstone trim run later, past the tombstone's age.
@@ -179,7 +185,7 @@ async def test_one_unexpected_failure_does_not_end_the_occurrence_dead(
         # sweeper hands the occurrences out again".
         raise RuntimeError("unexpected")
 
-    executor._deliver = fails_once  # type: ignore[method-assign]
+    executor._deliver = fails_once  # type: ignore[method-assign,assignment]
     try:
         await executor.handle(message)
         # The executor service consumes the dead-letter queue with settle_dead_letter.
