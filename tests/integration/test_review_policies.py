@@ -206,3 +206,39 @@ async def test_one_unexpected_failure_does_not_end_the_occurrence_dead(
     assert status != "dead", "one failure (not a poison message) ended the occurrence dead"
     due, lease, _ = await index.position(occ.shard, occ.member)
     assert lease is not None or due == occ.fire_ms
+
+
+async def test_a_sweeper_that_reads_the_generation_while_another_advances_it_keeps_the_index(
+    index: Index, store: Store, redis_prefix: str, database_url: str
+) -> None:
+    first = make_sweeper(index, store, redis_prefix, database_url)
+    second = make_sweeper(index, store, redis_prefix, database_url)
+    await load(store, index, "sw", every("kept", 60))
+    await first.check_epoch()
+    assert first.rebuilding is not None
+    await first.rebuilding
+    first.rebuilding = None
+    # Two sweepers in check_epoch at once (the sweep lock expired under a slow step): the
+    # second advances the generation (Redis, then PostgreSQL) between the first one's read of
+    # Redis and its read of PostgreSQL.
+    real = store.index_generation
+    raced = False
+
+    async def advanced_meanwhile() -> int:
+        nonlocal raced
+        if not raced:
+            raced = True
+            await second.check_epoch()
+        return await real()
+
+    store.index_generation = advanced_meanwhile  # type: ignore[method-assign]
+    try:
+        await first.check_epoch()
+    finally:
+        del store.index_generation
+    wiped = first.rebuilding is not None
+    if first.rebuilding is not None:
+        await first.rebuilding
+    # Nothing was restored from a snapshot: the live index must not be wiped.
+    assert not wiped, "a live index was taken for a stale one and wiped"
+    assert await members(index) == {"sw/kept"}
