@@ -148,6 +148,10 @@ class Sweeper:
         """Rebuild a lost index, or one restored from an older snapshot; else move the index
         generation forward (in Redis first, then PostgreSQL), so that a snapshot taken now is
         recognised as old once it is restored later."""
+        # PostgreSQL first: Redis is moved forward before PostgreSQL, so a Redis generation
+        # read after this one is behind it only if Redis lost data since. Read the other way
+        # round, another sweeper advancing both in between would look like a restore.
+        expected = await self.store.index_generation()
         epoch = await self.index.client.get(self.index.keys.epoch)
         metrics.INDEX_EPOCH_PRESENT.set(1 if epoch else 0)
         if self.rebuilding is not None and not self.rebuilding.done():
@@ -156,7 +160,6 @@ class Sweeper:
             self.rebuilding = asyncio.create_task(self.rebuild_with_lock(), name="rebuild")
             return
         generation = int(epoch)
-        expected = await self.store.index_generation()
         if generation < expected:
             log.error(
                 "index is older than PostgreSQL says (restored from an old snapshot?): "
