@@ -242,3 +242,47 @@ async def test_a_sweeper_that_reads_the_generation_while_another_advances_it_kee
     # Nothing was restored from a snapshot: the live index must not be wiped.
     assert not wiped, "a live index was taken for a stale one and wiped"
     assert await members(index) == {"sw/kept"}
+
+
+async def test_a_long_rebuild_does_not_bring_back_a_schedule_deleted_while_it_ran(
+    index: Index, store: Store, redis_prefix: str, database_url: str
+) -> None:
+    settings = SweeperSettings(
+        redis_prefix=redis_prefix, shards=SHARDS, database_url=database_url, rebuild_batch=1
+    )
+    rebuilder = Sweeper(settings, index, store, asyncio.Event())
+    # The sweep steps (tombstone trims included) go on while the rebuild streams; this one
+    # runs past the tombstones' age, as a rebuild of a big table can.
+    trimmer = make_sweeper(index, store, redis_prefix, database_url)
+    trimmer.clock = lambda: time.time() + (TOMBSTONE_KEEP_MS + 60_000) / 1000
+    first = {**every("first", 60), "priority": 5}
+    await load(store, index, "sw", first, every("doomed", 60))
+    await index.client.delete(index.keys.epoch)  # Redis lost its data: a rebuild starts
+    for shard in range(SHARDS):
+        await index.client.delete(index.keys.sched(shard), index.keys.due(shard))
+    real = rebuilder._write_entries
+    chunks = 0
+
+    async def delete_while_streaming(rows: Any) -> int:
+        nonlocal chunks
+        chunks += 1
+        if chunks == 1:
+            # The user deletes "doomed" (PostgreSQL, then the index: a tombstone) after the
+            # rebuild's snapshot was taken; later the tombstone is trimmed (PostgreSQL agrees).
+            conn = await asyncpg.connect(database_url)
+            try:
+                version = await conn.fetchval(
+                    "UPDATE schedules SET state = 'deleted', version = version + 1 "
+                    "WHERE id = 'doomed' RETURNING version"
+                )
+            finally:
+                await conn.close()
+            shard = index.shard_of("sw", "doomed")
+            await index.remove({shard: [("sw/doomed", version)]})
+            await trimmer.trim_tombstones()
+        return await real(rows)
+
+    rebuilder._write_entries = delete_while_streaming  # type: ignore[method-assign]
+    await rebuilder.rebuild()
+    assert chunks >= 2
+    assert "sw/doomed" not in await members(index), "a deleted schedule was rebuilt"
