@@ -1,7 +1,6 @@
-"""Review of the policies change: during a rolling upgrade, a dispatcher of the previous
-version (its own claim.lua, loaded by SHA from its own source) still claims from the index
-the new executors write to. An occurrence state with the new catch-up flag must not make it
-lose the occurrence."""
+"""Review of the policies change, at the level of the Lua scripts: a rolling upgrade (a
+dispatcher of the previous version claims what new executors wrote), and the same version
+written twice (drift repair and the intake)."""
 
 from __future__ import annotations
 
@@ -93,3 +92,23 @@ async def test_a_previous_version_dispatcher_does_not_lose_a_flagged_catch_up(
     due, lease, _ = await index.position(shard, member)
     # The occurrence must still be somewhere: due, or leased (so the sweeper hands it out).
     assert due is not None or lease is not None, "the catch-up was lost: in neither due nor lease"
+
+
+async def test_the_same_reset_written_twice_does_not_revoke_the_occurrence_in_flight(
+    index: Index,
+) -> None:
+    """Drift repair and the intake both write a reset of version 2 (the sweeper read the
+    committed row before the intake's own index write landed). The second write of the same
+    version must not revoke the occurrence the first one placed and a dispatcher claimed:
+    that occurrence would be placed again and delivered twice, overlapping (invariant 3)."""
+    shard, member = 0, "ns/s"
+    v1 = Plan(version=1, rule=IntervalRule(60_000), target=WebhookPlan("http://sink/x"))
+    v2 = Plan(version=2, rule=IntervalRule(30_000), target=WebhookPlan("http://sink/x"))
+    await index.upsert({shard: [Upsert(member, 1, compact.encode(v1), "keep", NOW, "")]})
+    reset = Upsert(member, 2, compact.encode(v2), "reset", NOW + 30_000, "")
+    assert await index.upsert({shard: [reset]}) == {shard: [1]}  # drift repair's write
+    [result] = await index.claim([shard], 10, 30_000, NOW + 30_000)
+    [claimed] = result.claimed
+    await index.upsert({shard: [reset]})  # the intake's, a bit later
+    _, codes = await index.begin({shard: [(member, claimed.token, 10_000)]}, NOW + 30_001)
+    assert codes == {shard: [1]}, "the in-flight occurrence was revoked and placed again"
