@@ -359,13 +359,17 @@ class Sweeper:
             cursor, batch = await self.index.client.hscan(
                 self.index.keys.sched(shard), cursor, count=SCAN_BATCH
             )
-            members = [m.decode() if isinstance(m, bytes) else m for m in batch]
+            # The version seen goes with each removal: a schedule recreated (a newer version
+            # written) after PostgreSQL was read is left alone by remove.lua.
+            stored: dict[bytes, bytes] = dict(batch)  # type: ignore[arg-type]
+            seen = {m.decode(): compact.version_of(plan) for m, plan in stored.items()}
+            members = list(seen)
             if members:
                 pairs = [keys.split_member(m)[:2] for m in members]
                 rows = await self.store.schedule_versions(pairs)
                 live = {keys.member(r.namespace, r.id) for r in rows if r.state != "deleted"}
                 orphans: list[tuple[str, int | None]] = [
-                    (m, None) for m in members if m not in live
+                    (m, seen[m]) for m in members if m not in live
                 ]
                 if orphans:
                     await self.index.remove({shard: orphans})
