@@ -286,3 +286,27 @@ async def test_a_long_rebuild_does_not_bring_back_a_schedule_deleted_while_it_ra
     await rebuilder.rebuild()
     assert chunks >= 2
     assert "sw/doomed" not in await members(index), "a deleted schedule was rebuilt"
+
+
+async def test_an_after_completion_delay_is_measured_on_the_redis_clock(
+    index: Index, store: Store, connection: AbstractRobustConnection, sink: Sink, redis_prefix: str
+) -> None:
+    body = await claim_one(index, store, sink, spec={"kind": "after_completion", "delay_s": 1})
+    [occ] = delivery.decode(body)
+    # This executor's host runs an hour behind (the Redis clock is the one that counts).
+    executor, webhooks, _ = await executor_with_clock(
+        index, store, connection, redis_prefix, skew_s=-3600
+    )
+    try:
+        [live] = await executor.hold([occ])
+        await executor.process(live)
+        await executor.drain()
+    finally:
+        await webhooks.close()
+    assert len(sink.received) == 1
+    seconds, micros = await index.client.time()
+    redis_now = seconds * 1000 + micros // 1000
+    due, _, _ = await index.position(occ.shard, occ.member)
+    # The next run comes a delay after the completion, not an hour before it (which would
+    # fire it again at once: the delay between runs is lost).
+    assert due is not None and due >= redis_now, f"next run {redis_now - (due or 0)} ms ago"
