@@ -310,3 +310,27 @@ async def test_an_after_completion_delay_is_measured_on_the_redis_clock(
     # The next run comes a delay after the completion, not an hour before it (which would
     # fire it again at once: the delay between runs is lost).
     assert due is not None and due >= redis_now, f"next run {redis_now - (due or 0)} ms ago"
+
+
+async def test_a_rebuild_judges_misfires_on_the_redis_clock_not_the_sweeper_host(
+    index: Index, store: Store, redis_prefix: str, database_url: str
+) -> None:
+    sweeper = make_sweeper(index, store, redis_prefix, database_url)
+    sweeper.clock = lambda: time.time() + 5  # this sweeper's host runs 5 s ahead
+    await load(store, index, "sw", {**every("on-time", 60), "misfire": {"policy": "skip"}})
+    seconds, micros = await index.client.time()
+    due_now = seconds * 1000 + micros // 1000  # on time by Redis (grace 1 s)
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(
+            "UPDATE schedules SET next_fire_at = to_timestamp($1 / 1000.0) WHERE id = 'on-time'",
+            due_now,
+        )
+    finally:
+        await conn.close()
+    await index.client.delete(index.keys.epoch)  # Redis lost its data: a rebuild
+    for shard in range(SHARDS):
+        await index.client.delete(index.keys.sched(shard), index.keys.due(shard))
+    await sweeper.rebuild()
+    due, _, _ = await index.position(index.shard_of("sw", "on-time"), "sw/on-time")
+    assert due == due_now, "an occurrence on time by the Redis clock was skipped"
