@@ -15,7 +15,7 @@ from aio_pika.abc import AbstractRobustConnection
 
 from cronbus.sink import Sink
 from services.sweeper.sweeper import TOMBSTONE_KEEP_MS, Sweeper
-from shared import amqp, bulk, codec, delivery, validation
+from shared import amqp, bulk, codec, delivery, timefmt, validation
 from shared.config import SweeperSettings
 from shared.index import Index
 from shared.store import Store
@@ -334,3 +334,41 @@ async def test_a_rebuild_judges_misfires_on_the_redis_clock_not_the_sweeper_host
     await sweeper.rebuild()
     due, _, _ = await index.position(index.shard_of("sw", "on-time"), "sw/on-time")
     assert due == due_now, "an occurrence on time by the Redis clock was skipped"
+
+
+async def test_a_once_edited_right_after_it_fired_does_not_fire_again(
+    index: Index, store: Store, connection: AbstractRobustConnection, sink: Sink, redis_prefix: str
+) -> None:
+    at = (int(time.time()) + 2) * 1000
+    once: dict[str, object] = {
+        "id": "s",
+        "spec": {"kind": "once", "at": timefmt.format_ms(at)},
+        "target": {"kind": "webhook", "url": f"{sink.url}/s"},
+        "misfire": {"policy": "fire_once"},
+    }
+    await load(store, index, "ex", once)
+    deadline = time.monotonic() + 10
+    claimed = []
+    while not claimed and time.monotonic() < deadline:
+        claimed = [c for r in await index.claim(range(index.shards), 10, 30_000) for c in r.claimed]
+        await asyncio.sleep(0.05)
+    [occ] = delivery.decode(delivery.encode(claimed))
+    executor, webhooks, audit = await executor_with_clock(
+        index, store, connection, redis_prefix, skew_s=0
+    )
+    try:
+        [live] = await executor.hold([occ])
+        await executor.process(live)  # delivered and finished in Redis
+        await executor.drain()
+        # The user edits a label before the executor's audit batch (the checkpoint) lands.
+        await load(store, index, "ex", {**once, "labels": {"team": "billing"}})
+        assert await audit.flush()
+        # Anything due again would be delivered a second time.
+        again = [c for r in await index.claim(range(index.shards), 10, 30_000) for c in r.claimed]
+        if again:
+            [second] = await executor.hold(delivery.decode(delivery.encode(again)))
+            await executor.process(second)
+            await executor.drain()
+    finally:
+        await webhooks.close()
+    assert len(sink.received) == 1, f"the once was delivered {len(sink.received)} times"
