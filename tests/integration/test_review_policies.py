@@ -17,7 +17,7 @@ from cronbus.sink import Sink
 from services.sweeper.sweeper import TOMBSTONE_KEEP_MS, Sweeper
 from shared import amqp, bulk, codec, delivery, timefmt, validation
 from shared.config import SweeperSettings
-from shared.index import Index
+from shared.index import Claimed, Index
 from shared.store import Store
 from tests.conftest import SHARDS
 from tests.integration.test_executor_decisions import claim_one, executor_with_clock
@@ -348,7 +348,7 @@ async def test_a_once_edited_right_after_it_fired_does_not_fire_again(
     }
     await load(store, index, "ex", once)
     deadline = time.monotonic() + 10
-    claimed = []
+    claimed: list[Claimed] = []
     while not claimed and time.monotonic() < deadline:
         claimed = [c for r in await index.claim(range(index.shards), 10, 30_000) for c in r.claimed]
         await asyncio.sleep(0.05)
