@@ -14,11 +14,12 @@ import pytest
 from aio_pika.abc import AbstractRobustConnection
 
 from cronbus.sink import Sink
+from services.dispatcher.intake import Intake
 from services.sweeper.sweeper import TOMBSTONE_KEEP_MS, Sweeper
 from shared import amqp, bulk, codec, delivery, timefmt, validation
-from shared.config import SweeperSettings
+from shared.config import DispatcherSettings, SweeperSettings
 from shared.index import Claimed, Index
-from shared.store import Store
+from shared.store import CommandAudit, Store
 from tests.conftest import SHARDS
 from tests.integration.test_executor_decisions import claim_one, executor_with_clock
 
@@ -372,3 +373,57 @@ async def test_a_once_edited_right_after_it_fired_does_not_fire_again(
     finally:
         await webhooks.close()
     assert len(sink.received) == 1, f"the once was delivered {len(sink.received)} times"
+
+
+async def test_a_once_paused_right_after_it_fired_does_not_fire_again_on_resume(
+    index: Index, store: Store, connection: AbstractRobustConnection, sink: Sink, redis_prefix: str
+) -> None:
+    async def no_wake(shard: int, fire_ms: int) -> None:
+        return None
+
+    channel = await connection.channel()
+    intake = Intake(
+        DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS),
+        store,
+        index,
+        channel,
+        no_wake,
+        asyncio.Event(),
+    )
+    at = (int(time.time()) + 2) * 1000
+    once: dict[str, object] = {
+        "id": "s",
+        "spec": {"kind": "once", "at": timefmt.format_ms(at)},
+        "target": {"kind": "webhook", "url": f"{sink.url}/s"},
+        "misfire": {"policy": "fire_once"},
+    }
+    await load(store, index, "ex", once)
+    deadline = time.monotonic() + 10
+    claimed: list[Claimed] = []
+    while not claimed and time.monotonic() < deadline:
+        claimed = [c for r in await index.claim(range(index.shards), 10, 30_000) for c in r.claimed]
+        await asyncio.sleep(0.05)
+    [occ] = delivery.decode(delivery.encode(claimed))
+    executor, webhooks, audit = await executor_with_clock(
+        index, store, connection, redis_prefix, skew_s=0
+    )
+    try:
+        [live] = await executor.hold([occ])
+        await executor.process(live)  # delivered and finished in Redis
+        await executor.drain()
+        # Paused before the executor's audit batch (the checkpoint) lands; resumed later.
+        await intake.pause("ex", "s", CommandAudit("ex", "pause", "s", "ok"))
+        assert await audit.flush()
+        await intake.resume("ex", "s", CommandAudit("ex", "resume", "s", "ok"))
+        again = [c for r in await index.claim(range(index.shards), 10, 30_000) for c in r.claimed]
+        if again:
+            [second] = await executor.hold(delivery.decode(delivery.encode(again)))
+            await executor.process(second)
+            await executor.drain()
+    finally:
+        await webhooks.close()
+    row = await store.get_schedule("ex", "s")
+    assert row is not None
+    assert len(sink.received) == 1, (
+        f"the once was delivered {len(sink.received)} times (PostgreSQL: fires {row.fires})"
+    )
