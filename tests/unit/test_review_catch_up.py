@@ -56,3 +56,26 @@ def test_the_catch_up_a_resume_chose_is_delivered_not_judged_again() -> None:
     chosen = settle.missed_choice(occ, 142 * SECOND)
     # Judged again, it is skipped in favour of 140 s: the catch-up the policy chose never fires.
     assert chosen == 130 * SECOND
+
+
+def test_fire_all_never_drops_an_occurrence_that_is_on_time_because_of_its_jitter() -> None:
+    """fire_all's window is a lateness bound: lateness is measured from the due time (nominal +
+    jitter), so a nominal older than the window whose due time is not missed still fires."""
+    plan = Plan(
+        version=1,
+        rule=IntervalRule(60 * SECOND),
+        target=WebhookPlan("http://sink/x"),
+        misfire=MisfireRule("fire_all", grace_ms=SECOND, window_ms=3600 * SECOND, limit=100),
+        jitter_ms=7200 * SECOND,  # two hours of jitter, above the one-hour window
+    )
+    member, now = "ns/s", 1_804_862_809_911
+    candidate = 1_804_852_860_000  # missed (nominal + offset is long before now)
+    assert schedule.is_missed(plan, member, candidate, now)
+    chosen = schedule.resolve_due(plan, candidate, now, member)
+    assert chosen is not None
+    dropped_on_time = [
+        n
+        for n in range(candidate, chosen, 60 * SECOND)
+        if not schedule.is_missed(plan, member, n, now)
+    ]
+    assert dropped_on_time == [], f"{len(dropped_on_time)} on-time occurrences dropped"
