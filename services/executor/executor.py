@@ -303,14 +303,15 @@ class Executor:
             chosen = settle.missed_choice(occ, now)
             if chosen == occ.nominal_ms:
                 outcome, started, finished = await self._deliver(occ, key)
-                # Clocks: started/finished time the attempt on this host; decisions use Redis.
+                # Clocks: the host times the attempt; what it decides (the misfire, the next
+                # run of an after_completion schedule) is placed on the Redis clock.
                 settled_now = now + (finished - started)
         if chosen != occ.nominal_ms:
             self._log_misfire(occ, chosen)
             await self._settle(occ, settle.skip(occ, key, chosen, now))
             return
         await self._settle(
-            occ, settle.settle(occ, key, outcome, started, finished, settled_now, self.rng)
+            occ, settle.settle(occ, key, outcome, now, settled_now, settled_now, self.rng)
         )
         if self.spans is not None:
             self._record_spans(occ, key, outcome, started, finished)

@@ -150,6 +150,10 @@ class Sweeper:
         """Rebuild a lost index, or one restored from an older snapshot; else move the index
         generation forward (in Redis first, then PostgreSQL), so that a snapshot taken now is
         recognised as old once it is restored later."""
+        # PostgreSQL first: Redis is moved forward before PostgreSQL, so a Redis generation
+        # read after this one is behind it only if Redis lost data since. Read the other way
+        # round, another sweeper advancing both in between would look like a restore.
+        expected = await self.store.index_generation()
         epoch = await self.index.client.get(self.index.keys.epoch)
         metrics.INDEX_EPOCH_PRESENT.set(1 if epoch else 0)
         if self.rebuilding is not None and not self.rebuilding.done():
@@ -158,7 +162,6 @@ class Sweeper:
             self.rebuilding = asyncio.create_task(self.rebuild_with_lock(), name="rebuild")
             return
         generation = int(epoch)
-        expected = await self.store.index_generation()
         if generation < expected:
             log.error(
                 "index is older than PostgreSQL says (restored from an old snapshot?): "
@@ -360,13 +363,17 @@ class Sweeper:
             cursor, batch = await self.index.client.hscan(
                 self.index.keys.sched(shard), cursor, count=SCAN_BATCH
             )
-            members = [m.decode() if isinstance(m, bytes) else m for m in batch]
+            # The version seen goes with each removal: a schedule recreated (a newer version
+            # written) after PostgreSQL was read is left alone by remove.lua.
+            stored: dict[bytes, bytes] = dict(batch)  # type: ignore[arg-type]
+            seen = {m.decode(): compact.version_of(plan) for m, plan in stored.items()}
+            members = list(seen)
             if members:
                 pairs = [keys.split_member(m)[:2] for m in members]
                 rows = await self.store.schedule_versions(pairs)
                 live = {keys.member(r.namespace, r.id) for r in rows if r.state != "deleted"}
                 orphans: list[tuple[str, int | None]] = [
-                    (m, None) for m in members if m not in live
+                    (m, seen[m]) for m in members if m not in live
                 ]
                 if orphans:
                     await self.index.remove({shard: orphans})
