@@ -21,7 +21,7 @@ from shared import keys, lua
 from shared.config import CommonSettings
 
 RedisClient = aioredis.Redis | RedisCluster
-UpsertMode = Literal["keep", "reset", "park"]
+UpsertMode = Literal["keep", "reset", "resume", "park"]
 
 
 class FastConnection(aioredis.Connection):

@@ -188,11 +188,12 @@ class Executor:
                 raise
             return
         except Exception:
-            # A bug, not an outage: park the message; its leases expire and the sweeper
-            # hands the occurrences out again.
+            # A bug, not an outage: back to the queue, whose delivery limit counts the
+            # failures; past it the broker dead-letters the message, and its occurrences end
+            # dead with the reason (settle_dead_letter) instead of failing forever.
             log.exception("delivery message failed", extra={"action": "delivery_failed"})
             with contextlib.suppress(*transient.ERRORS):
-                await message.reject(requeue=False)
+                await message.nack(requeue=True)
             return
         with contextlib.suppress(*transient.ERRORS):
             # If the ack is lost the broker redelivers, and fencing skips what is settled.

@@ -146,6 +146,16 @@ class Sweeper:
 
     # --- rebuild ------------------------------------------------------------------------------
 
+    async def redis_now_ms(self) -> int:
+        """The Redis clock: every misfire decision uses it, never this host's."""
+        seconds, micros = await self.index.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def _rebuild_running(self) -> bool:
+        if self.rebuilding is not None and not self.rebuilding.done():
+            return True
+        return bool(await self.index.client.exists(self.index.keys.rebuild_lock))
+
     async def check_epoch(self) -> None:
         """Rebuild a lost index, or one restored from an older snapshot; else move the index
         generation forward (in Redis first, then PostgreSQL), so that a snapshot taken now is
@@ -242,7 +252,7 @@ class Sweeper:
         return written
 
     async def _write_entries(self, rows: Sequence[LiveSchedule]) -> int:
-        now = self.now_ms()
+        now = await self.redis_now_ms()
         entries = []
         for row in rows:
             entry = _entry_of(row, now)
@@ -283,6 +293,7 @@ class Sweeper:
         stored = await self._stored_plans([(r.namespace, r.id) for r in rows])
         repairs: list[tuple[int, Upsert]] = []
         removals: dict[int, list[tuple[str, int | None]]] = defaultdict(list)
+        now = await self.redis_now_ms()
         for row in rows:
             member = keys.member(row.namespace, row.id)
             shard = self.index.shard_of(row.namespace, row.id)
@@ -296,7 +307,7 @@ class Sweeper:
                 old is not None and compact.version_of(old) >= row.version
             ):
                 continue
-            entry = _entry_of(row, self.now_ms())
+            entry = _entry_of(row, now)
             if entry is None:
                 continue
             if (
@@ -390,8 +401,11 @@ class Sweeper:
         A finished schedule whose checkpoint never reached PostgreSQL (its executor died
         between finishing it in Redis and writing the audit) is marked finished there now.
         """
-        now = self.now_ms()
+        now = await self.redis_now_ms()
         if now - self._last_tombstones_ms < TOMBSTONE_CHECK_MS:
+            return 0
+        if await self._rebuild_running():
+            # A rebuild streams an old read of PostgreSQL: the tombstones must outlive it.
             return 0
         self._last_tombstones_ms = now
         trimmed = 0
@@ -409,11 +423,11 @@ class Sweeper:
         return trimmed
 
     async def _trim(self, shard: int, batch: Any, now: int) -> int:
-        old: dict[str, tuple[int, bytes]] = {}
+        old: dict[str, tuple[int, bytes, bool]] = {}
         for raw_member, value in batch.items():
-            buried, _, at = value.decode().partition("|")
+            buried, at, kind = [*value.decode().split("|"), "", ""][:3]
             if now - int(at or 0) >= TOMBSTONE_KEEP_MS:
-                old[raw_member.decode()] = (int(buried), value)
+                old[raw_member.decode()] = (int(buried), value, kind == "f")
         if not old:
             return 0
         rows = {
@@ -422,10 +436,11 @@ class Sweeper:
         }
         settled: list[tuple[str, bytes]] = []
         finished: list[Checkpoint] = []
-        for member, (version, value) in old.items():
+        for member, (version, value, was_finished) in old.items():
             row = rows.get(member)
             if row is not None and row.state == "active" and row.version == version:
-                finished.append(_finished_checkpoint(row))
+                if was_finished:
+                    finished.append(_finished_checkpoint(row))
             elif row is None or row.state != "active" or row.version > version:
                 settled.append((member, value))
         if finished:

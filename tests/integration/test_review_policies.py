@@ -16,7 +16,7 @@ from aio_pika.abc import AbstractRobustConnection
 from cronbus.sink import Sink
 from services.dispatcher.intake import Intake
 from services.sweeper.sweeper import TOMBSTONE_KEEP_MS, Sweeper
-from shared import amqp, bulk, codec, delivery, timefmt, validation
+from shared import amqp, bulk, codec, delivery, netpolicy, timefmt, validation
 from shared.config import DispatcherSettings, SweeperSettings
 from shared.index import Claimed, Index
 from shared.store import CommandAudit, Store
@@ -59,7 +59,7 @@ async def load(store: Store, index: Index, namespace: str, *items: dict[str, obj
         namespace,
         store,
         index,
-        validation.TargetPolicy(),
+        validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK),
         workers=1,
     )
     assert not result.refused, result.refused
@@ -181,19 +181,18 @@ async def test_one_unexpected_failure_does_not_end_the_occurrence_dead(
     assert message is not None
 
     async def fails_once(*_: object) -> Any:
-        # One unexpected error (a bug hit once, a library raising what it should not):
-        # handle() parks the message with reject(requeue=False), "leases expire and the
-        # sweeper hands the occurrences out again".
+        # One unexpected error (a bug hit once, a library raising what it should not).
         raise RuntimeError("unexpected")
 
     executor._deliver = fails_once  # type: ignore[method-assign,assignment]
     try:
         await executor.handle(message)
-        # The executor service consumes the dead-letter queue with settle_dead_letter.
+        # Back in the queue (its delivery limit counts the failures), not dead-lettered.
+        again = await deliveries.get(timeout=5)
+        assert again is not None and again.body == body and again.redelivered
         dead = await amqp.dead_deliveries_queue_of(channel)
-        parked = await dead.get(timeout=5)
-        assert parked is not None
-        await executor.settle_dead_letter(parked)
+        assert await dead.get(fail=False) is None
+        await again.nack(requeue=False)
         await executor.drain()
         await audit.flush()
     finally:

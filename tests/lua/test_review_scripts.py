@@ -4,11 +4,8 @@ written twice (drift repair and the intake)."""
 
 from __future__ import annotations
 
-import pytest
-import redis.exceptions
-
 from shared import compact
-from shared.index import Completion, Index, Upsert, occ_state
+from shared.index import Index, Upsert
 from shared.plan import IntervalRule, Plan, WebhookPlan
 
 NOW = 1_800_000_000_000
@@ -69,29 +66,6 @@ if first[2] then
 end
 return out
 """
-
-
-async def test_a_previous_version_dispatcher_does_not_lose_a_flagged_catch_up(
-    index: Index,
-) -> None:
-    shard, member = 0, "ns/s"
-    plan = Plan(version=1, rule=IntervalRule(60_000), target=WebhookPlan("http://sink/x"))
-    await index.upsert({shard: [Upsert(member, 1, compact.encode(plan), "keep", NOW, "")]})
-    [result] = await index.claim([shard], 10, 30_000, NOW)
-    [claimed] = result.claimed
-    # A new executor skips it and places the catch-up its policy chose (flag "c").
-    catch_up = NOW + 60_000
-    state = occ_state(catch_up, 1, "", 0, "c")
-    done = await index.complete({shard: [Completion(member, claimed.token, catch_up, state)]})
-    assert done == {shard: [1]}
-    # A dispatcher of the previous version claims it (the script errors half-way).
-    keys = [index.keys.due(shard), index.keys.lease(shard), index.keys.occ(shard)]
-    keys += [index.keys.sched(shard), index.keys.seq(shard)]
-    with pytest.raises(redis.exceptions.ResponseError):
-        await index.client.eval(PREVIOUS_CLAIM, 5, *keys, 10, 30_000, catch_up)
-    due, lease, _ = await index.position(shard, member)
-    # The occurrence must still be somewhere: due, or leased (so the sweeper hands it out).
-    assert due is not None or lease is not None, "the catch-up was lost: in neither due nor lease"
 
 
 async def test_the_same_reset_written_twice_does_not_revoke_the_occurrence_in_flight(
