@@ -110,10 +110,11 @@ class DispatcherService(ServiceBase):
         with contextlib.suppress(TimeoutError, *transient.ERRORS):
             # With the broker away the cancel cannot be sent (nor is it needed).
             await asyncio.wait_for(queue.cancel(consumer_tag), 1)
-        budget_s = finish_budget_s(self.settings.shutdown_grace_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + finish_budget_s(self.settings.shutdown_grace_s)
         if self._commands:
-            await asyncio.wait(self._commands, timeout=budget_s)
-        await tasks.wait_all(budget_s)
+            await asyncio.wait(self._commands, timeout=deadline - loop.time())
+        await tasks.wait_all(max(deadline - loop.time(), 0))
 
 
 async def _listen_for_wakes(
