@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import prometheus_client
 import pydantic
@@ -35,6 +35,8 @@ from shared.store import Store
 log = logging.getLogger(__name__)
 
 Check = Callable[[], Awaitable[object]]
+#: How a stopping service's work ended: by itself, cancelled, or hanging on even then.
+Ending = Literal["finished", "cut_off", "hung"]
 SettingsT = TypeVar("SettingsT", bound=CommonSettings)
 
 #: Of the grace period, the part kept back to cancel what is still under way and close the
@@ -211,7 +213,8 @@ async def serve(service: Service, settings: CommonSettings) -> tuple[int, bool]:
     grace_s = settings.shutdown_grace_s
     stopped_at = await _until_stopping(work, stopping)
     _arm_watchdog(service, grace_s + WATCHDOG_MARGIN_S)
-    cut_off = not work.done() and not await _end_within(work, stopped_at + grace_s)
+    ending = "finished" if work.done() else await _end_within(work, stopped_at + grace_s)
+    cut_off = ending != "finished"
     with contextlib.suppress(Exception):
         await asyncio.wait_for(runner.cleanup(), CLOSE_TIMEOUT_S)
     code = 0 if service.alive() else 1
@@ -233,7 +236,7 @@ async def serve(service: Service, settings: CommonSettings) -> tuple[int, bool]:
             "left_behind": _left_behind(service),
         },
     )
-    return code, not cut_off
+    return code, ending != "hung"
 
 
 async def _until_stopping(work: asyncio.Task[None], stopping: asyncio.Event) -> float:
@@ -245,21 +248,21 @@ async def _until_stopping(work: asyncio.Task[None], stopping: asyncio.Event) -> 
     return time.monotonic()
 
 
-async def _end_within(work: asyncio.Task[None], deadline: float) -> bool:
+async def _end_within(work: asyncio.Task[None], deadline: float) -> Ending:
     """Let ``work`` finish or hand back what it holds; near the deadline, cancel what is still
-    under way (a reconnect, a retried write). False when even the cancelled work hangs on."""
+    under way (a reconnect, a retried write)."""
     total = max(deadline - time.monotonic(), 0.0)
     reserve = min(CUT_OFF_RESERVE_S, total / 2)
     await asyncio.wait({work}, timeout=total - reserve)
     if work.done():
-        return True
+        return "finished"
     log.warning(
         "grace period nearly spent: cancelling what is still under way",
         extra={"action": "shutdown_cut_off"},
     )
     work.cancel()
     await asyncio.wait({work}, timeout=max(deadline - time.monotonic(), 0.1))
-    return work.done()
+    return "cut_off" if work.done() else "hung"
 
 
 def _left_behind(service: Service) -> dict[str, int]:

@@ -20,7 +20,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from cronbus.client import CommandClient
 from cronbus.procs import SERVICES
+from cronbus.sink import Sink
 from shared import codec
 from tests.support import private, services
 from tests.support import stack as stack_support
@@ -195,3 +197,57 @@ async def test_sigterm_stops_every_service_within_the_grace_period(
         assert proc.popen.returncode == 0, proc.tail()
         stopped = _last_stop_line(proc)
         assert isinstance(stopped["left_behind"], dict), stopped
+
+
+async def test_what_cannot_be_handed_back_is_logged_and_delivered_again_later(
+    servers: private.PrivateServices, corner: Corner, stack: Stack
+) -> None:
+    """An executor stopped with deliveries in flight while Redis hangs cannot release its
+    leases: it still exits in time, its last line counts what it left, and those
+    occurrences are delivered again (same key) once Redis answers, as after a crash."""
+    corner.env.update({"CRONBUS_LEASE_S": "3", "CRONBUS_SWEEP_INTERVAL_S": "1"})
+    sink = Sink(delay_s=GRACE_S + 2)  # longer than the executor may wait for it
+    await sink.start()
+    try:
+        for name in SERVICES:
+            await stack.wait_ready(stack.start(name))
+        async with CommandClient(corner.env["CRONBUS_AMQP_URL"]) as client:
+            reply = await client.send(
+                "left",
+                "upsert",
+                {
+                    "schedule": {
+                        "id": "slow",
+                        "spec": {"kind": "interval", "every_s": 1},
+                        "target": {"kind": "webhook", "url": f"{sink.url}/slow", "timeout_s": 30},
+                        # Delivered late, not skipped: the test looks for it again.
+                        "misfire": {"policy": "fire_all", "window_s": 3600, "limit": 100},
+                    }
+                },
+            )
+        assert reply["ok"], reply
+        assert await sink.wait_for(lambda s: len(s.received) >= 1, 20), stack.tails()
+        in_flight = {r.key for r in sink.received}
+        executor = stack.running("executor")[0]
+        _redis_process(servers).send_signal(signal.SIGSTOP)
+        try:
+            exits = await stack_support.time_exits([executor], GRACE_S + SLACK_S + 10)
+        finally:
+            _redis_process(servers).send_signal(signal.SIGCONT)
+        took = exits.get("executor")
+        print(f"\nSIGTERM executor holding deliveries, Redis frozen: {took}s")
+        assert took is not None and took <= GRACE_S + SLACK_S, executor.tail()
+        stopped = _last_stop_line(executor)
+        left = stopped["left_behind"]
+        assert isinstance(left, dict) and left.get("leased_occurrences", 0) >= 1, stopped
+        assert stopped["cut_off"] is True, stopped
+        sink.delay_s = 0
+        await stack.wait_ready(stack.start("executor"))
+
+        def delivered_again(s: Sink) -> bool:
+            keys = [r.key for r in s.received]
+            return all(keys.count(key) >= 2 for key in in_flight)
+
+        assert await sink.wait_for(delivered_again, 30), stack.tails()
+    finally:
+        await sink.stop()
