@@ -224,7 +224,10 @@ async def serve(service: Service, settings: CommonSettings) -> tuple[int, bool]:
         print(f"cronbus {service.name}: {error.setting}: {error.reason}", file=sys.stderr)
         return EXIT_REFUSED, True
     if error is not None and not isinstance(error, transient.Stopped):
-        raise error  # a bug: its traceback is wanted
+        if not cut_off:
+            raise error  # a bug: its traceback is wanted
+        # Cancelled work may end in whatever the call it was cut off in raised.
+        log.warning("cut-off work ended in an error", extra={"error": repr(error)})
     log.log(
         logging.WARNING if cut_off else logging.INFO,
         "service stopped",
