@@ -39,21 +39,16 @@ ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-#: Redis errors that mean the server refused who we are or what we may do.
-_REDIS_REFUSALS = (
-    redis_errors.AuthenticationError,
-    redis_errors.AuthorizationError,
-    redis_errors.NoPermissionError,
-)
+#: Redis refusing what this user may do (ACLs).
+_REDIS_REFUSALS = (redis_errors.AuthorizationError, redis_errors.NoPermissionError)
 _AMQP_LOGIN_REFUSALS = (
     aiormq.exceptions.ProbableAuthenticationError,
     aiormq.exceptions.AuthenticationError,
 )
-#: PostgreSQL errors at connect time that no amount of waiting mends (SQLSTATE 3D000, 28xxx).
-_POSTGRES_REFUSALS = (
-    asyncpg.InvalidCatalogNameError,
-    asyncpg.InvalidAuthorizationSpecificationError,
-)
+#: PostgreSQL refusing the login (SQLSTATE 28xxx: unknown role, wrong password, pg_hba).
+_POSTGRES_LOGIN_REFUSALS = (asyncpg.InvalidAuthorizationSpecificationError,)
+#: A database that does not exist (3D000), a right the role lacks (42501).
+_POSTGRES_REFUSALS = (asyncpg.InvalidCatalogNameError, asyncpg.InsufficientPrivilegeError)
 
 
 class Stopped(Exception):
@@ -68,8 +63,10 @@ def refusal(exc: BaseException) -> str | None:
     server may come back.
     """
     for error in _chain(exc):
-        if isinstance(error, _REDIS_REFUSALS):
+        if isinstance(error, redis_errors.AuthenticationError):
             return f"Redis refused the login: {error}"
+        if isinstance(error, _REDIS_REFUSALS):
+            return f"Redis refused a command to this user: {error}"
         if isinstance(error, _AMQP_LOGIN_REFUSALS):
             return "RabbitMQ refused the login (ACCESS_REFUSED): wrong user name or password"
         if isinstance(error, aiormq.exceptions.ConnectionNotAllowed):
@@ -83,9 +80,9 @@ def refusal(exc: BaseException) -> str | None:
                 "RabbitMQ closed the connection on opening the virtual host: "
                 "it does not exist or the user may not use it"
             )
-        if isinstance(error, asyncpg.InvalidCatalogNameError):
-            return f"PostgreSQL: {error}"
         if isinstance(error, _POSTGRES_REFUSALS):
+            return f"PostgreSQL: {error}"
+        if isinstance(error, _POSTGRES_LOGIN_REFUSALS):
             return f"PostgreSQL refused the login: {error}"
     return None
 

@@ -25,6 +25,7 @@ VHOST_CLOSED = aiormq.exceptions.InvalidFrameError(
     [
         (redis_errors.AuthenticationError("invalid username-password pair"), "Redis refused"),
         (redis_errors.AuthenticationError("NOAUTH Authentication required."), "Redis refused"),
+        (redis_errors.NoPermissionError("NOPERM no permissions to run 'evalsha'"), "Redis refused"),
         (
             aiormq.exceptions.ProbableAuthenticationError("ACCESS_REFUSED - Login was refused"),
             "RabbitMQ refused the login",
@@ -36,6 +37,11 @@ VHOST_CLOSED = aiormq.exceptions.InvalidFrameError(
         ),
         (asyncpg.InvalidCatalogNameError('database "x" does not exist'), "PostgreSQL: database"),
         (asyncpg.InvalidPasswordError("password authentication failed"), "PostgreSQL refused"),
+        (
+            # cronbus creates a missing database at start: a role that may not is told so.
+            asyncpg.InsufficientPrivilegeError("permission denied to create database"),
+            "PostgreSQL: permission denied",
+        ),
         (
             asyncpg.InvalidAuthorizationSpecificationError('role "x" does not exist'),
             "PostgreSQL refused the login",
