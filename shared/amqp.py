@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -84,13 +85,19 @@ async def dead_deliveries_queue_of(channel: AbstractChannel) -> AbstractQueue:
     )
 
 
+#: Longest wait for a robust channel to be connected again before asking it something.
+RECONNECT_WAIT_S = 2.0
+
+
 async def ready_messages(channel: AbstractChannel, queue: str) -> int:
     """Messages waiting (ready, not yet delivered to a consumer) in a queue.
 
     Asked on the underlying channel: a passive declare on a robust channel would be recorded
-    and replayed at every reconnect, one more each time it is asked.
+    and replayed at every reconnect, one more each time it is asked. While the broker is away
+    the robust channel waits for the reconnect without end: TimeoutError after
+    RECONNECT_WAIT_S lets the caller see the outage (and a stopping service stop).
     """
-    underlay = await channel.get_underlay_channel()
+    underlay = await asyncio.wait_for(channel.get_underlay_channel(), RECONNECT_WAIT_S)
     declared = await underlay.queue_declare(queue, passive=True)
     return int(declared.message_count or 0)
 
