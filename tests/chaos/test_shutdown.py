@@ -23,7 +23,7 @@ import pytest
 from cronbus.client import CommandClient
 from cronbus.procs import SERVICES
 from cronbus.sink import Sink
-from shared import codec
+from shared import codec, netpolicy
 from tests.support import private, services
 from tests.support import stack as stack_support
 from tests.support.stack import Proc, Stack
@@ -69,6 +69,7 @@ async def corner(servers: private.PrivateServices) -> AsyncIterator[Corner]:
             "CRONBUS_SHARDS": "4",
             "CRONBUS_SHUTDOWN_GRACE_S": str(GRACE_S),
             "CRONBUS_LOG_LEVEL": "INFO",
+            "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
         },
     )
     delete = [*servers.rabbit.ctl, "delete_vhost", vhost]
