@@ -65,6 +65,8 @@ class DispatcherSettings(CommonSettings):
     shard_lease_s: float = Field(default=5, ge=0, le=300)
     #: Unacknowledged commands the intake works on at once.
     commands_prefetch: int = Field(default=32, ge=1, le=10_000)
+    #: Largest command body accepted; a larger one is refused with code too_large.
+    max_command_bytes: int = Field(default=262_144, ge=1024, le=64 * 1024 * 1024)
     #: Comma-separated host globs webhook targets may call.
     webhook_allowed_hosts: str = "*"
     #: Comma-separated networks a webhook URL with a literal address may not call.

@@ -43,6 +43,10 @@ COMMANDS = Counter(
 DEAD_LETTERED = Counter(
     "cronbus_dead_lettered_total", "Messages sent to a dead-letter queue.", ["queue"]
 )
+REPLY_TO_REFUSED = Counter(
+    "cronbus_reply_to_refused_total",
+    "Commands refused unanswered: reply_to was not direct reply-to or a server-named queue.",
+)
 
 # --- executor -----------------------------------------------------------------------------
 DELIVERED = Counter(
@@ -120,6 +124,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
         SHARDS_OWNED,
         COMMANDS,
         DEAD_LETTERED,
+        REPLY_TO_REFUSED,
         DEPENDENCY_UP,
     ),
     "executor": (

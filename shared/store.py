@@ -112,6 +112,35 @@ class CommandAudit:
     reply: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class AppliedCommand:
+    """What the audit kept of an applied command: enough to tell a replay from a conflict."""
+
+    verb: str
+    body: Any
+    reply: dict[str, Any]
+
+
+#: Longest text kept in an audit column (ids and AMQP properties are far shorter when honest).
+AUDIT_TEXT_MAX = 1000
+
+
+def _audit_text(value: str | None) -> str | None:
+    if value is None:
+        return None
+    return value.replace("\x00", "\ufffd")[:AUDIT_TEXT_MAX]
+
+
+def _audit_json(value: Any) -> Any:
+    """``value`` as JSON that jsonb accepts: a NUL escape (``\\u0000``) becomes U+FFFD."""
+    if value is None:
+        return None
+    encoded = codec.dumps(value)
+    if b"\\u0000" in encoded:
+        encoded = encoded.replace(b"\\u0000", b"\\ufffd")
+    return codec.Fragment(encoded)
+
+
 @dataclass(slots=True)
 class ExecutionRow:
     namespace: str
@@ -278,31 +307,31 @@ class Store:
         return [ScheduleRow.of(record) for record in records]
 
     async def record_command(self, audit: CommandAudit, conn: Connection | None = None) -> None:
+        """One audit row. Whatever a hostile command carried, the row can be stored: text loses
+        its NULs (PostgreSQL refuses them) and long values are cut."""
         target: Any = conn if conn is not None else self.pool
         await target.execute(
             QUERIES["record_command"],
-            audit.namespace,
-            audit.verb,
-            audit.schedule_id,
-            audit.user_id,
-            audit.app_id,
-            audit.message_id,
-            audit.correlation_id,
-            audit.body,
-            audit.outcome,
-            audit.error,
+            _audit_text(audit.namespace),
+            _audit_text(audit.verb),
+            _audit_text(audit.schedule_id),
+            _audit_text(audit.user_id),
+            _audit_text(audit.app_id),
+            _audit_text(audit.message_id),
+            _audit_text(audit.correlation_id),
+            _audit_json(audit.body),
+            _audit_text(audit.outcome),
+            _audit_json(audit.error),
             audit.version,
-            audit.reply,
+            _audit_json(audit.reply),
         )
 
-    async def applied_reply(
-        self, namespace: str, verb: str, message_id: str
-    ) -> dict[str, Any] | None:
-        """The reply of a command already applied under this message id, if any."""
-        reply: dict[str, Any] | None = await self.pool.fetchval(
-            QUERIES["applied_reply"], namespace, verb, message_id
-        )
-        return reply
+    async def applied_command(self, namespace: str, message_id: str) -> AppliedCommand | None:
+        """The command already applied under this message id in ``namespace``, if any."""
+        record = await self.pool.fetchrow(QUERIES["applied_command"], namespace, message_id)
+        if record is None:
+            return None
+        return AppliedCommand(record["verb"], record["body"], record["reply"])
 
     async def execution_exists(self, namespace: str, schedule_id: str, nominal_ms: int) -> bool:
         return bool(

@@ -155,14 +155,51 @@ def parse_command(verb: str, body: Any) -> models.Strict:
             "the body must be a JSON object",
             [{"field": "(body)", "reason": "must be a JSON object"}],
         )
+    nul_details = [{"field": path, "reason": NUL_REASON} for path in fields_with_nul(body)]
+    if nul_details:
+        raise _named_failure(verb, nul_details)
     try:
         return model.model_validate(body)
     except pydantic.ValidationError as exc:
         raise _command_failure(verb, exc) from None
 
 
+#: PostgreSQL cannot store a NUL in text or JSON, and no field has a use for one.
+NUL_REASON = "must not contain a NUL character"
+
+
+def fields_with_nul(body: Any, limit: int = 50) -> list[str]:
+    """Paths (``schedule.labels.team``) of the strings or keys holding a NUL, at most ``limit``.
+
+    Iterative: a hostile body may nest as deep as the JSON parser allows.
+    """
+    found: list[str] = []
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack and len(found) < limit:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value:
+                found.append(path or "(body)")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{_printable(key)}" if path else _printable(key)
+                if "\x00" in key:
+                    found.append(child)
+                stack.append((child, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return sorted(found)
+
+
+def _printable(key: str) -> str:
+    return key if key.isprintable() and len(key) <= 64 else repr(key[:64])
+
+
 def _command_failure(verb: str, exc: pydantic.ValidationError) -> ValidationFailed:
-    details = field_errors(exc)
+    return _named_failure(verb, field_errors(exc))
+
+
+def _named_failure(verb: str, details: list[FieldError]) -> ValidationFailed:
     if verb == "upsert" and all(d["field"].startswith("schedule.") for d in details):
         # Schedule errors are named relative to the schedule, as in the pinned reply example.
         details = [
@@ -176,6 +213,17 @@ def _summary(details: list[FieldError]) -> str:
     first = details[0]
     more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
     return f"{first['field']}: {first['reason']}{more}"
+
+
+def check_properties(message_id: str | None, correlation_id: str | None) -> None:
+    """The AMQP properties a command is audited and replayed by: printable text."""
+    details = [
+        {"field": name, "reason": "must not contain control characters"}
+        for name, value in (("message_id", message_id), ("correlation_id", correlation_id))
+        if value is not None and models.CONTROL_RE.search(value)
+    ]
+    if details:
+        raise ValidationFailed("invalid_command", _summary(details), details)
 
 
 def check_namespace(namespace: str) -> None:

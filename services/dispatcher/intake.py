@@ -43,6 +43,10 @@ from shared.store import CommandAudit, NewScheduleRow, ScheduleRow, Store
 log = logging.getLogger(__name__)
 
 NEXT_FIRES_SHOWN = 5
+#: A reply lists at most this many field errors.
+MAX_ERROR_DETAILS = 50
+#: How long each step of reporting an unexpected failure may take.
+FAIL_SAFE_TIMEOUT_S = 5.0
 Wake = Callable[[int, int], Awaitable[None]]
 
 
@@ -69,8 +73,43 @@ class Meta:
         )
 
 
+@dataclass(slots=True)
+class Received:
+    """A command as far as it is understood so far (what a refusal can audit)."""
+
+    body: bytes
+    meta: Meta
+    #: Earlier deliveries of this message (the quorum queue's ``x-delivery-count``).
+    deliveries: int = 0
+    namespace: str | None = None
+    verb: str | None = None
+    parsed: Any = None
+    command: models.Strict | None = None
+    #: An upsert's checked plan (version 0).
+    plan: Plan | None = None
+
+
+def _delivery_count(message: AbstractIncomingMessage) -> int:
+    value = (message.headers or {}).get("x-delivery-count")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _reply_to_refused(failure: ValidationFailed) -> bool:
+    return any(d.get("field") == "reply_to" for d in failure.details)
+
+
+def _error_of(failure: ValidationFailed) -> dict[str, Any]:
+    """The reply's error: a hostile command may have thousands of problems; list the first."""
+    return {
+        "code": failure.code,
+        "message": str(failure)[:2000],
+        "details": failure.details[:MAX_ERROR_DETAILS],
+    }
+
+
 class Unparseable(ValidationFailed):
-    """The message is not a command at all: it goes to the dead-letter queue."""
+    """The message is not a command at all (or keeps failing): it goes to the dead-letter
+    queue, answered or not."""
 
 
 def split_routing_key(routing_key: str) -> tuple[str, str]:
@@ -92,8 +131,9 @@ def decode_cursor(cursor: str | None) -> str:
     if not cursor:
         return ""
     try:
-        return base64.urlsafe_b64decode(cursor.encode()).decode()
-    except (binascii.Error, UnicodeDecodeError):
+        last_id = base64.urlsafe_b64decode(cursor.encode()).decode()
+        return models.check_schedule_id(last_id)
+    except (binascii.Error, ValueError):
         raise ValidationFailed(
             "invalid_command",
             "cursor: is not a cursor this cronbus returned",
@@ -175,38 +215,96 @@ class Intake:
     # --- the message --------------------------------------------------------------------------
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
-        """Apply one command and answer it; dependency outages are waited out."""
-        meta = Meta.of(message)
+        """Apply one command and answer it; dependency outages are waited out.
+
+        Whatever the input, the message ends acknowledged with a reply or a dead letter: an
+        unexpected error is logged with its traceback and answered with code ``internal``.
+        """
+        received = Received(message.body, Meta.of(message), _delivery_count(message))
         try:
-            reply = await transient.retry(
-                lambda: self._apply(message.body, meta), what="command", stopping=self.stopping
-            )
-            await transient.retry(
-                lambda: self._answer(meta, reply), what="command reply", stopping=self.stopping
-            )
+            reply = await self._apply(received)
+            if reply is not None:
+                await transient.retry(
+                    lambda: self._answer(received.meta, reply),
+                    what="command reply",
+                    stopping=self.stopping,
+                )
         except transient.Stopped:
             await message.nack(requeue=True)
             return
+        except Exception:
+            log.exception(
+                "command failed unexpectedly",
+                extra={
+                    "action": "command_internal_error",
+                    "routing_key": received.meta.routing_key,
+                },
+            )
+            await self._fail_safely(received)
         await message.ack()
 
-    async def _apply(self, body: bytes, meta: Meta) -> dict[str, Any]:
-        verb: str | None = None
-        namespace: str | None = None
-        parsed: Any = None
+    async def _apply(self, received: Received) -> dict[str, Any] | None:
+        """The reply to send (None: none may be sent)."""
         try:
-            namespace, verb = split_routing_key(meta.routing_key)
-            validation.check_namespace(namespace)
-            try:
-                parsed = validation.parse_body(body)
-            except ValidationFailed as failure:
-                raise Unparseable(failure.code, str(failure), failure.details) from None
-            command = validation.parse_command(verb, parsed)
-            async with self._lock_for(namespace, _schedule_id_of(parsed) or ""):
-                reply = await self._execute(namespace, verb, command, meta, parsed)
+            self._validate(received)
+            assert received.namespace is not None and received.verb is not None
+            assert received.command is not None
+            namespace, verb, command = received.namespace, received.verb, received.command
+            # No await before the lock: commands on one schedule take it in arrival order.
+            async with self._lock_for(namespace, _schedule_id_of(received.parsed) or ""):
+                reply = await transient.retry(
+                    lambda: self._execute(namespace, verb, command, received),
+                    what="command",
+                    stopping=self.stopping,
+                )
         except ValidationFailed as failure:
-            return await self._refuse(failure, namespace, verb, parsed, body, meta)
-        metrics.COMMANDS.labels(verb, "ok").inc()
+            refused = failure
+            refusal = await transient.retry(
+                lambda: self._refuse(refused, received),
+                what="command refusal",
+                stopping=self.stopping,
+            )
+            return None if _reply_to_refused(refused) else refusal
+        metrics.COMMANDS.labels(received.verb, "ok").inc()
         return reply
+
+    def _validate(self, received: Received) -> None:
+        """Everything that needs no I/O, in order; fills ``received`` as parts become known."""
+        meta = received.meta
+        if received.deliveries >= amqp.COMMAND_DELIVERY_LIMIT:
+            raise Unparseable(
+                "internal",
+                f"the command was delivered {received.deliveries} times without an answer; "
+                "it is kept in the dead-letter queue",
+            )
+        if meta.reply_to and not keys.reply_queue_allowed(meta.reply_to):
+            raise ValidationFailed(
+                "invalid_command",
+                f"reply_to {meta.reply_to[:255]!r} is not allowed: replies go only to "
+                "amq.rabbitmq.reply-to or a server-named amq.gen-* queue",
+                [{"field": "reply_to", "reason": "must be amq.rabbitmq.reply-to or amq.gen-*"}],
+            )
+        if len(received.body) > self.settings.max_command_bytes:
+            raise ValidationFailed(
+                "too_large",
+                f"the command is {len(received.body)} bytes; at most "
+                f"{self.settings.max_command_bytes} are accepted",
+                [{"field": "(body)", "reason": "is too large"}],
+            )
+        validation.check_properties(meta.message_id, meta.correlation_id)
+        namespace, verb = split_routing_key(meta.routing_key)
+        validation.check_namespace(namespace)
+        received.namespace = namespace
+        received.verb = verb
+        try:
+            received.parsed = validation.parse_body(received.body)
+        except ValidationFailed as failure:
+            raise Unparseable(failure.code, str(failure), failure.details) from None
+        received.command = validation.parse_command(verb, received.parsed)
+        if isinstance(received.command, models.UpsertCommand):
+            received.plan = validation.check_schedule(
+                received.command.schedule, 0, self.now_ms(), self.policy
+            )
 
     def _lock_for(self, namespace: str, schedule_id: str) -> asyncio.Lock:
         """Commands on one schedule run one at a time in this process, in arrival order."""
@@ -218,16 +316,10 @@ class Intake:
             lock = self._locks[key] = asyncio.Lock()
         return lock
 
-    async def _refuse(
-        self,
-        failure: ValidationFailed,
-        namespace: str | None,
-        verb: str | None,
-        parsed: Any,
-        body: bytes,
-        meta: Meta,
-    ) -> dict[str, Any]:
-        error = {"code": failure.code, "message": str(failure), "details": failure.details}
+    async def _refuse(self, failure: ValidationFailed, received: Received) -> dict[str, Any]:
+        meta = received.meta
+        error = _error_of(failure)
+        verb = received.verb
         metrics.COMMANDS.labels(verb if verb in models.VERBS else "unknown", failure.code).inc()
         log.info(
             "command refused",
@@ -238,37 +330,69 @@ class Intake:
                 "error": str(failure),
             },
         )
-        schedule_id = _schedule_id_of(parsed)
-        await self.store.record_command(
-            CommandAudit(
-                namespace=namespace,
-                verb=verb,
-                schedule_id=schedule_id,
-                outcome=failure.code,
-                body=parsed if isinstance(parsed, dict | list) else None,
-                error=error,
-                user_id=meta.user_id,
-                app_id=meta.app_id,
-                message_id=meta.message_id,
-                correlation_id=meta.correlation_id,
-            )
-        )
-        if isinstance(failure, Unparseable) or not meta.reply_to:
+        await self.store.record_command(self._audit_of(received, failure.code, error))
+        if _reply_to_refused(failure):
+            metrics.REPLY_TO_REFUSED.inc()
+        if isinstance(failure, Unparseable) or not meta.reply_to or _reply_to_refused(failure):
             # Nobody would hear of it otherwise: keep the message, with why, for an operator.
-            await amqp.dead_letter(
-                self.channel,
-                keys.COMMANDS_QUEUE,
-                body,
-                f"{failure.code}: {failure}",
-                {
-                    "reply_to": meta.reply_to,
-                    "correlation_id": meta.correlation_id,
-                    "message_id": meta.message_id,
-                    "headers": {"x-cronbus-routing-key": meta.routing_key},
-                },
-            )
-            metrics.DEAD_LETTERED.labels(keys.COMMANDS_QUEUE).inc()
+            await self._dead_letter(received, f"{failure.code}: {failure}")
         return {"ok": False, "error": error}
+
+    def _audit_of(
+        self, received: Received, outcome: str, error: dict[str, Any] | None = None
+    ) -> CommandAudit:
+        meta = received.meta
+        parsed = received.parsed
+        return CommandAudit(
+            namespace=received.namespace,
+            verb=received.verb,
+            schedule_id=_schedule_id_of(parsed),
+            outcome=outcome,
+            body=parsed if isinstance(parsed, dict | list) else None,
+            error=error,
+            user_id=meta.user_id,
+            app_id=meta.app_id,
+            message_id=meta.message_id,
+            correlation_id=meta.correlation_id,
+        )
+
+    async def _dead_letter(self, received: Received, reason: str) -> None:
+        meta = received.meta
+        await amqp.dead_letter(
+            self.channel,
+            keys.COMMANDS_QUEUE,
+            received.body,
+            reason,
+            {
+                "reply_to": meta.reply_to,
+                "correlation_id": meta.correlation_id,
+                "message_id": meta.message_id,
+                "headers": {"x-cronbus-routing-key": meta.routing_key},
+            },
+        )
+        metrics.DEAD_LETTERED.labels(keys.COMMANDS_QUEUE).inc()
+
+    async def _fail_safely(self, received: Received) -> None:
+        """After an unexpected error: audit, dead-letter and answer ``internal``, each as far as
+        it goes (whatever failed may fail again), and never raise."""
+        failure = ValidationFailed(
+            "internal", "cronbus could not handle this command; the error is logged"
+        )
+        metrics.COMMANDS.labels(
+            received.verb if received.verb in models.VERBS else "unknown", "internal"
+        ).inc()
+        error = _error_of(failure)
+        steps: list[Callable[[], Awaitable[None]]] = [
+            lambda: self.store.record_command(self._audit_of(received, "internal", error)),
+            lambda: self._dead_letter(received, "internal: the error is in the dispatcher's log"),
+        ]
+        if received.meta.reply_to and keys.reply_queue_allowed(received.meta.reply_to):
+            steps.append(lambda: self._answer(received.meta, {"ok": False, "error": error}))
+        for step in steps:
+            try:
+                await asyncio.wait_for(step(), FAIL_SAFE_TIMEOUT_S)
+            except Exception:
+                log.exception("could not report a failed command", extra={"action": "internal"})
 
     async def _answer(self, meta: Meta, reply: dict[str, Any]) -> None:
         if not meta.reply_to:
@@ -283,24 +407,15 @@ class Intake:
     # --- the verbs ----------------------------------------------------------------------------
 
     async def _execute(
-        self, namespace: str, verb: str, command: models.Strict, meta: Meta, parsed: Any
+        self, namespace: str, verb: str, command: models.Strict, received: Received
     ) -> dict[str, Any]:
-        audit = CommandAudit(
-            namespace=namespace,
-            verb=verb,
-            schedule_id=_schedule_id_of(parsed),
-            outcome="ok",
-            body=parsed,
-            user_id=meta.user_id,
-            app_id=meta.app_id,
-            message_id=meta.message_id,
-            correlation_id=meta.correlation_id,
-        )
-        replayed = await self._replayed(namespace, verb, meta)
+        audit = self._audit_of(received, "ok")
+        replayed = await self._replayed(namespace, verb, received)
         if replayed is not None:
             return replayed
         if isinstance(command, models.UpsertCommand):
-            return await self.upsert(namespace, command, audit)
+            assert received.plan is not None
+            return await self.upsert(namespace, command, received.plan, audit)
         if isinstance(command, models.ListCommand):
             reply = await self.list(namespace, command)
             await self.store.record_command(audit)
@@ -319,11 +434,11 @@ class Intake:
         return await handlers[verb](namespace, command.id, audit)
 
     async def upsert(
-        self, namespace: str, command: models.UpsertCommand, audit: CommandAudit
+        self, namespace: str, command: models.UpsertCommand, checked: Plan, audit: CommandAudit
     ) -> dict[str, Any]:
+        """Create or replace a schedule whose plan ``checked`` has passed validation."""
         item = command.schedule
         now = self.now_ms()
-        checked = validation.check_schedule(item, 0, now, self.policy)
         async with self.store.transaction() as conn:
             old = await self.store.lock_schedule(conn, namespace, item.id)
             live = old is not None and old.state != "deleted"
@@ -474,19 +589,33 @@ class Intake:
             dataclasses.replace(audit, version=version, reply=reply), conn
         )
 
-    async def _replayed(self, namespace: str, verb: str, meta: Meta) -> dict[str, Any] | None:
-        """The reply already given to this message (same message_id), if it was applied.
+    async def _replayed(
+        self, namespace: str, verb: str, received: Received
+    ) -> dict[str, Any] | None:
+        """The reply already given to this command, if it was applied; ``conflict`` when its
+        ``message_id`` was applied to another command.
 
         A command redelivered after a crash between its commit and its ack is answered, not
-        applied twice: a second trigger would be a second run. Should the index write of the
-        first delivery have been lost with the crash, drift repair redoes it for a schedule,
-        and for a trigger it is redone here when no trace of the run exists.
+        applied twice: a second trigger would be a second run. It is the same command only when
+        its verb and body are the same too (the namespace scopes message ids: tenants pick
+        theirs independently). Should the index write of the first delivery have been lost
+        with the crash, drift repair redoes it for a schedule, and for a trigger it is redone
+        here when no trace of the run exists.
         """
-        if not meta.message_id or verb in ("get", "list"):
+        message_id = received.meta.message_id
+        if not message_id or verb in ("get", "list"):
             return None
-        reply = await self.store.applied_reply(namespace, verb, meta.message_id)
-        if reply is None:
+        applied = await self.store.applied_command(namespace, message_id)
+        if applied is None:
             return None
+        if applied.verb != verb or applied.body != received.parsed:
+            raise ValidationFailed(
+                "conflict",
+                f"message_id {message_id!r} was already used for another command "
+                f"({namespace}.{applied.verb}); send this one with a new message_id",
+                [{"field": "message_id", "reason": "was already used for another command"}],
+            )
+        reply = applied.reply
         if verb == "trigger":
             await self._ensure_trigger(namespace, reply)
         return {**reply, "duplicate": True}

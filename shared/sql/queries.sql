@@ -47,10 +47,10 @@ INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
                       correlation_id, body, outcome, error, version, reply)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10::jsonb, $11, $12::jsonb);
 
--- applied_reply --
--- The reply of a command already applied under a message id (a redelivery is answered).
-SELECT reply FROM commands
-WHERE message_id = $3 AND namespace = $1 AND verb = $2 AND outcome = 'ok'
+-- applied_command --
+-- The command last applied under a message id in a namespace (a redelivery is answered).
+SELECT verb, body, reply FROM commands
+WHERE message_id = $2 AND namespace = $1 AND outcome = 'ok' AND verb NOT IN ('get', 'list')
 ORDER BY seq DESC
 LIMIT 1;
 
