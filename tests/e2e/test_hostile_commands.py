@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import asyncpg
@@ -83,7 +84,7 @@ class Replies:
     async def publish(
         self, routing_key: str, body: bytes, *, reply: bool = True, **properties: Any
     ) -> str:
-        correlation_id = properties.pop("correlation_id", uuid.uuid4().hex)
+        correlation_id = str(properties.pop("correlation_id", uuid.uuid4().hex))
         exchange = await self.channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
         await exchange.publish(
             aio_pika.Message(
@@ -127,15 +128,15 @@ async def stored(database_url: str, endpoints: services.Endpoints, prefix: str) 
         rows = await conn.fetch("SELECT namespace, id FROM schedules")
     finally:
         await conn.close()
-    client = aioredis.Redis.from_url(endpoints.redis_url)
+    client = aioredis.Redis.from_url(endpoints.redis_url, decode_responses=True)
     try:
         members: set[str] = set()
         for shard in range(4):
             shard_keys = keys.RedisKeys(prefix)
             for key in (shard_keys.sched(shard), shard_keys.occ(shard)):
-                members |= {m.decode() for m in await client.hkeys(key)}
+                members |= {str(m) for m in await client.hkeys(key)}
             for key in (shard_keys.due(shard), shard_keys.lease(shard)):
-                members |= {m.decode() for m in await client.zrange(key, 0, -1)}
+                members |= {str(m) for m in await client.zrange(key, 0, -1)}
     finally:
         await client.aclose()
     return {f"pg:{r['namespace']}/{r['id']}" for r in rows} | {f"redis:{m}" for m in members}
@@ -143,7 +144,7 @@ async def stored(database_url: str, endpoints: services.Endpoints, prefix: str) 
 
 def unacknowledged(endpoints: services.Endpoints, amqp_url: str) -> dict[str, tuple[int, int]]:
     """Queue -> (ready, unacknowledged) messages in the test's vhost."""
-    vhost = aio_pika.connection.URL(amqp_url).path.lstrip("/") or "/"
+    vhost = unquote(urlsplit(amqp_url).path.lstrip("/")) or "/"
     listed = subprocess.run(
         [
             *endpoints.rabbitmqctl,
