@@ -363,3 +363,34 @@ async def test_a_redelivered_command_is_answered_not_applied_twice(
     assert await sink.wait_for(lambda s: len(s.received) >= 1, 10)
     await asyncio.sleep(1.5)
     assert [r.fire_time for r in sink.received] == [trigger["trigger"]["fire_time"]]
+
+
+async def test_a_reused_message_id_replays_only_the_same_command(
+    stack: Stack, sink: Sink, client: CommandClient
+) -> None:
+    await stack.start_all(("dispatcher",))
+    first = await client.send(
+        "acme", "upsert", {"schedule": every(sink, "m1", 3600)}, message_id="reused"
+    )
+    assert first["ok"] is True
+    other = await client.send(
+        "acme", "upsert", {"schedule": every(sink, "m2", 3600)}, message_id="reused"
+    )
+    assert other["ok"] is False and other["error"]["code"] == "conflict", other
+    assert other["error"]["details"][0]["field"] == "message_id"
+    missing = await client.send("acme", "get", {"id": "m2"})
+    assert missing["error"]["code"] == "not_found"
+    another_verb = await client.send("acme", "delete", {"id": "m1"}, message_id="reused")
+    assert another_verb["error"]["code"] == "conflict"
+    assert (await client.send("acme", "get", {"id": "m1"}))["ok"] is True
+
+    # The same command, spelled with other spacing and key order, is a replay.
+    same = codec.loads(codec.dumps({"schedule": every(sink, "m1", 3600)}))
+    reordered = b'{ "schedule" : ' + codec.dumps(dict(reversed(same["schedule"].items()))) + b"}"
+    replay = await client.send("acme", "upsert", reordered, message_id="reused")
+    assert replay["duplicate"] is True and replay["schedule"]["version"] == 1
+    # Message ids are the tenant's own: another namespace may use the same one.
+    elsewhere = await client.send(
+        "globex", "upsert", {"schedule": every(sink, "m2", 3600)}, message_id="reused"
+    )
+    assert elsewhere["ok"] is True and "duplicate" not in elsewhere
