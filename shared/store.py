@@ -135,7 +135,10 @@ def _audit_json(value: Any) -> Any:
     """``value`` as JSON that jsonb accepts: a NUL escape (``\\u0000``) becomes U+FFFD."""
     if value is None:
         return None
-    encoded = codec.dumps(value)
+    try:
+        encoded = codec.dumps(value)
+    except TypeError:  # nested too deep to encode: validation refuses it; the audit drops it
+        return None
     if b"\\u0000" in encoded:
         encoded = encoded.replace(b"\\u0000", b"\\ufffd")
     return codec.Fragment(encoded)

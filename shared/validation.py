@@ -155,6 +155,11 @@ def parse_command(verb: str, body: Any) -> models.Strict:
             "the body must be a JSON object",
             [{"field": "(body)", "reason": "must be a JSON object"}],
         )
+    too_deep = field_too_deep(body)
+    if too_deep is not None:
+        raise _named_failure(
+            verb, [{"field": too_deep, "reason": f"nests deeper than {MAX_DEPTH} levels"}]
+        )
     nul_details = [{"field": path, "reason": NUL_REASON} for path in fields_with_nul(body)]
     if nul_details:
         raise _named_failure(verb, nul_details)
@@ -166,6 +171,30 @@ def parse_command(verb: str, body: Any) -> models.Strict:
 
 #: PostgreSQL cannot store a NUL in text or JSON, and no field has a use for one.
 NUL_REASON = "must not contain a NUL character"
+
+
+#: How deep a command may nest (a schedule needs 4 levels; a target body gets the rest). The
+#: JSON parser takes 1024, but the encoder stops at 255, and every command is encoded again.
+MAX_DEPTH = 64
+
+
+def field_too_deep(body: Any) -> str | None:
+    """The path of the first value nested deeper than MAX_DEPTH, or None (iterative)."""
+    stack: list[tuple[str, Any, int]] = [("", body, 0)]
+    while stack:
+        path, value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            # Name where the nesting starts (say schedule.target.body), not 65 levels of it.
+            head = ".".join(path.split("[", 1)[0].split(".")[:3])
+            return head or "(body)"
+        if isinstance(value, dict):
+            stack.extend(
+                (f"{path}.{_printable(k)}" if path else _printable(k), v, depth + 1)
+                for k, v in value.items()
+            )
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value))
+    return None
 
 
 def fields_with_nul(body: Any, limit: int = 50) -> list[str]:

@@ -4,6 +4,7 @@ stored, and the next command is answered at once (invariant 6)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import time
 import uuid
@@ -17,6 +18,8 @@ import asyncpg
 import pytest
 import redis.asyncio as aioredis
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from cronbus.client import CommandClient
 from shared import codec, keys
@@ -142,6 +145,20 @@ async def stored(database_url: str, endpoints: services.Endpoints, prefix: str) 
     return {f"pg:{r['namespace']}/{r['id']}" for r in rows} | {f"redis:{m}" for m in members}
 
 
+async def settled_queues(
+    endpoints: services.Endpoints, amqp_url: str, timeout_s: float = 15
+) -> dict[str, tuple[int, int]]:
+    """Queue -> (ready, unacknowledged) once the commands queue shows none of either (the
+    broker's counts lag by a few seconds), or as they stand after ``timeout_s``."""
+    queues: dict[str, tuple[int, int]] = {}
+    for _ in range(int(timeout_s)):
+        queues = await asyncio.to_thread(unacknowledged, endpoints, amqp_url)
+        if queues.get(keys.COMMANDS_QUEUE) == (0, 0):
+            break
+        await asyncio.sleep(1)
+    return queues
+
+
 def unacknowledged(endpoints: services.Endpoints, amqp_url: str) -> dict[str, tuple[int, int]]:
     """Queue -> (ready, unacknowledged) messages in the test's vhost."""
     vhost = unquote(urlsplit(amqp_url).path.lstrip("/")) or "/"
@@ -220,7 +237,7 @@ async def test_each_reported_stall_is_answered_with_the_field_and_nothing_is_sto
         "pg:acme/fine",
         "redis:acme/fine",
     }
-    queues = unacknowledged(endpoints, amqp_url)
+    queues = await settled_queues(endpoints, amqp_url)
     assert queues[keys.COMMANDS_QUEUE] == (0, 0), queues
 
 
@@ -277,3 +294,241 @@ async def test_replies_go_only_to_server_named_or_direct_reply_queues(
     }
     status, metrics = await asyncio.to_thread(stack.running("dispatcher")[0].get, "/metrics")
     assert status == 200 and "cronbus_reply_to_refused_total 1.0" in metrics
+
+
+# --- the fuzz test ------------------------------------------------------------------------------
+
+FUZZ_COMMANDS = 3000
+VALID: dict[str, dict[str, Any]] = {
+    "upsert": upsert(
+        "base",
+        labels={"team": "a"},
+        retry={"max_attempts": 2},
+        misfire={"policy": "fire_all", "limit": 3},
+        jitter_s=1,
+    ),
+    "list": {"limit": 5, "labels": {"team": "a"}, "cursor": None},
+}
+PRINTABLE_OR_NOT = st.characters(blacklist_categories=["Cs"])
+HOSTILE_TEXT = st.one_of(
+    st.text(PRINTABLE_OR_NOT, max_size=30),
+    st.sampled_from(
+        [
+            "x\x00",
+            "a\n",
+            "0001-01-01T00:00:00+01:00",
+            "9999-12-31T23:00:00-05:00",
+            "https://[::1/",
+            "http://127.0.0.1:99999/",
+            "http://127.0.0.1/a\x01b",
+            "America",
+            "Europe",
+            "../../etc/passwd",
+            "* * * * * *",
+            "0 0 30 2 *",
+        ]
+    ),
+    st.integers(1, 70_000).map(lambda n: "x" * n),
+)
+HOSTILE_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | HOSTILE_TEXT
+)
+HOSTILE_JSON = st.recursive(
+    HOSTILE_LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(PRINTABLE_OR_NOT, max_size=8), inner)
+    ),
+    max_leaves=10,
+)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    found = [prefix]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += _paths(item, (*prefix, key))
+    return found
+
+
+def _replaced(value: Any, path: tuple[Any, ...], new: Any) -> Any:
+    if not path:
+        return new
+    return {**value, path[0]: _replaced(value[path[0]], path[1:], new)}
+
+
+@st.composite
+def mutated_body(draw: st.DrawFn, verb: str) -> bytes:
+    body: Any = VALID.get(verb, {"id": "base"})
+    for _ in range(draw(st.integers(1, 3))):
+        # Mostly a field inside the command (the whole body is replaced now and then).
+        path = draw(st.sampled_from(_paths(body)[1:] * 4 + [()]))
+        body = _replaced(body, path, draw(HOSTILE_JSON))
+    # json, not orjson: a hostile body may hold integers wider than 64 bits.
+    return json.dumps(body).encode()
+
+
+def deep_json(depth: int) -> bytes:
+    return b'{"schedule":' + b"[" * depth + b"]" * depth + b"}"
+
+
+ODD_ENCODINGS = st.sampled_from(
+    [
+        codec.dumps(VALID["upsert"]).decode().encode("utf-16"),
+        codec.dumps(VALID["upsert"]).decode().encode("utf-32-le"),
+        b"\xef\xbb\xbf" + codec.dumps(VALID["upsert"]),
+        b'{"id": "\\ud800"}',
+        b'{"id": "\xc0\xaf"}',
+        b'{"id": "a"}\x00',
+        b"\x00" * 64,
+        b"",
+        b"null",
+        b"[]",
+        b"1e999999",
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Hostile:
+    routing_key: str
+    body: bytes
+    #: "ours": our reply queue; "none": no reply_to; else the reply_to itself.
+    reply_to: str
+    message_id: str | None
+    correlation_suffix: str
+
+
+@st.composite
+def hostile_command(draw: st.DrawFn) -> Hostile:
+    # Mostly well-addressed commands, so that their bodies reach the deeper checks.
+    verb = draw(
+        st.sampled_from([*VALID, *VALID, *VALID, "delete", "trigger", "get"])
+        if draw(st.integers(0, 9))
+        else st.text(PRINTABLE_OR_NOT, max_size=12)
+    )
+    kind = draw(st.integers(0, 19))  # mostly mutations of valid commands
+    if kind == 0:
+        body = draw(st.integers(200_000, 300_000).map(lambda n: b'{"id": "' + b"x" * n + b'"}'))
+    elif kind == 1:
+        body = draw(st.integers(100, 120_000).map(deep_json))
+    elif kind == 2:
+        body = draw(st.binary(max_size=512))
+    elif kind == 3:
+        body = draw(ODD_ENCODINGS)
+    else:
+        body = draw(mutated_body(verb if verb in VALID else "get"))
+    namespace = draw(
+        st.just("fz")
+        if draw(st.integers(0, 9))
+        else st.sampled_from(["fz\n", "FZ", ""]) | st.text(max_size=20)
+    )
+    reply_to = draw(st.sampled_from(["ours"] * 18 + ["none", "billing.inbox"]))
+    hostile_properties = draw(st.integers(0, 9)) == 0
+    message_id = draw(
+        st.sampled_from(["m-1", "m-2", "m\x00"]) | st.text(max_size=20)
+        if hostile_properties
+        else st.none()
+    )
+    return Hostile(
+        f"{namespace}.{verb}"[:200],
+        body,
+        reply_to,
+        message_id,
+        draw(st.text(PRINTABLE_OR_NOT, max_size=10)) if hostile_properties else "",
+    )
+
+
+def generate_hostile(count: int) -> list[Hostile]:
+    """``count`` hostile commands from hypothesis (derandomized: the same every run)."""
+    found: list[Hostile] = []
+
+    @settings(
+        max_examples=count,
+        database=None,
+        derandomize=True,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(hostile_command())
+    def collect(command: Hostile) -> None:
+        found.append(command)
+
+    collect()
+    return found
+
+
+def _fits_shortstr(text: str | None) -> bool:
+    return text is None or len(text.encode()) <= 255
+
+
+@pytest.mark.timeout(180)
+async def test_fuzz_thousands_of_hostile_commands_never_stall_the_intake(
+    stack: Stack,
+    replies: Replies,
+    client: CommandClient,
+    endpoints: services.Endpoints,
+    redis_prefix: str,
+    database_url: str,
+    amqp_url: str,
+) -> None:
+    await stack.start_all(("dispatcher",))
+    commands = [
+        c
+        for c in generate_hostile(FUZZ_COMMANDS)
+        if _fits_shortstr(c.routing_key) and _fits_shortstr(c.message_id)
+    ]
+    answered_by: dict[str, Hostile] = {}
+    started = time.monotonic()
+    for i, command in enumerate(commands):
+        cid = f"{i}:{command.correlation_suffix}"
+        properties: dict[str, Any] = {"message_id": command.message_id, "correlation_id": cid}
+        if command.reply_to == "ours":
+            answered_by[cid] = command
+        else:
+            properties["reply_to"] = None if command.reply_to == "none" else command.reply_to
+        await replies.publish(
+            command.routing_key,
+            command.body,
+            reply=command.reply_to == "ours",
+            **properties,
+        )
+    unanswered = await replies.wait(set(answered_by), 90 - (time.monotonic() - started))
+    elapsed = time.monotonic() - started
+    assert unanswered == set(), (len(unanswered), stack.tails())
+
+    # The next command is answered at once, and nothing refused was stored.
+    before = time.monotonic()
+    fine = await client.send("fz", "upsert", upsert("after-the-fuzz"), timeout_s=5)
+    answer_s = time.monotonic() - before
+    assert fine["ok"] is True and answer_s < 1.0
+    accepted = {
+        f"pg:fz/{r['schedule']['id']}"
+        for cid, r in replies.got.items()
+        if r.get("ok") and answered_by[cid].routing_key == "fz.upsert"
+    } | {"pg:fz/after-the-fuzz"}
+    found = await stored(database_url, endpoints, redis_prefix)
+    refused_but_stored = {s for s in found if s.startswith("pg:")} - accepted
+    assert refused_but_stored == set()
+    assert {s.removeprefix("redis:") for s in found if s.startswith("redis:")} <= {
+        s.removeprefix("pg:") for s in accepted
+    }
+    queues = await settled_queues(endpoints, amqp_url)
+    assert queues[keys.COMMANDS_QUEUE] == (0, 0), queues
+    not_ours = len(commands) - len(answered_by)
+    assert queues[keys.dead_letter_queue(keys.COMMANDS_QUEUE)][0] >= not_ours
+    codes: dict[str, int] = {}
+    for reply in replies.got.values():
+        code = "ok" if reply.get("ok") else reply["error"]["code"]
+        codes[code] = codes.get(code, 0) + 1
+    assert "internal" not in codes, codes
+    print(
+        f"fuzz: {len(commands)} commands tried in {elapsed:.1f} s, {len(answered_by)} answered, "
+        f"{not_ours} without a reply queue (dead-lettered), stalls 0, refused but stored "
+        f"{len(refused_but_stored)}, accepted {len(accepted) - 1}; next command answered in "
+        f"{answer_s * 1000:.0f} ms; reply codes {codes}"
+    )
