@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from cronbus import client as client_module
 from cronbus.client import CommandClient
 from cronbus.common import CliError, amqp_url, database_url
 from shared import codec, timefmt, transient
@@ -79,9 +80,20 @@ async def _send_all(args: argparse.Namespace, verb: str, bodies: list[dict[str, 
                 if not reply.get("ok"):
                     failures += 1
                     print(f"cronbus {args.command}: {_error_line(reply)}", file=sys.stderr)
+    except client_module.ACCESS_REFUSED as exc:
+        raise CliError(_refused_line(args, verb, exc)) from None
     except transient.ERRORS as exc:
         raise CliError(f"cannot reach RabbitMQ: {exc}") from None
     return 1 if failures else 0
+
+
+def _refused_line(args: argparse.Namespace, verb: str, exc: BaseException) -> str:
+    user = client_module.user_of(amqp_url()) or "this user"
+    reason = " ".join(str(part) for part in getattr(exc, "args", ()) if part).strip()
+    return (
+        f"RabbitMQ refused access (ACCESS_REFUSED): {user} may not send {verb} commands "
+        f"to namespace {args.namespace!r} ({reason or exc!r})"
+    )
 
 
 def run_apply(args: argparse.Namespace) -> int:
