@@ -47,7 +47,9 @@ MAX_LABELS = 64
 MAX_LABEL_VALUE = 256
 MAX_HEADERS = 64
 MAX_HEADER_VALUE = 4096
-VERBS = ("upsert", "delete", "pause", "resume", "trigger", "get", "list")
+VERBS = ("upsert", "delete", "pause", "resume", "trigger", "get", "list", "upsert_many")
+#: Most schedules one upsert_many command carries.
+MAX_UPSERT_MANY = 1000
 #: The instants a schedule may name: the Unix epoch up to the end of year 9999 (UTC).
 EARLIEST_INSTANT = "1970-01-01T00:00:00Z"
 LATEST_INSTANT = "9999-12-31T23:59:59.999Z"
@@ -424,6 +426,13 @@ class ListCommand(Strict):
         return check_labels(value)
 
 
+class UpsertManyCommand(Strict):
+    """Many upserts in one command; each schedule is validated (and refused) on its own, so the
+    list holds them unvalidated here."""
+
+    schedules: list[JsonValue] = Field(min_length=1, max_length=MAX_UPSERT_MANY)
+
+
 COMMAND_MODELS: dict[str, type[Strict]] = {
     "upsert": UpsertCommand,
     "delete": IdCommand,
@@ -432,4 +441,5 @@ COMMAND_MODELS: dict[str, type[Strict]] = {
     "trigger": IdCommand,
     "get": IdCommand,
     "list": ListCommand,
+    "upsert_many": UpsertManyCommand,
 }

@@ -329,6 +329,38 @@ class Store:
             _audit_json(audit.reply),
         )
 
+    async def record_commands(self, conn: Connection, audits: Sequence[CommandAudit]) -> None:
+        """Many audit rows in one statement (sanitized as ``record_command`` does)."""
+        if not audits:
+            return
+        await conn.execute(
+            QUERIES["record_commands"],
+            [_audit_text(a.namespace) for a in audits],
+            [_audit_text(a.verb) for a in audits],
+            [_audit_text(a.schedule_id) for a in audits],
+            [_audit_text(a.user_id) for a in audits],
+            [_audit_text(a.app_id) for a in audits],
+            [_audit_text(a.message_id) for a in audits],
+            [_audit_text(a.correlation_id) for a in audits],
+            [_audit_json(a.body) for a in audits],
+            [_audit_text(a.outcome) for a in audits],
+            [_audit_json(a.error) for a in audits],
+            [a.version for a in audits],
+            [_audit_json(a.reply) for a in audits],
+        )
+
+    async def lock_schedule_keys(
+        self, conn: Connection, members: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], ScheduleRow]:
+        """Schedules of any namespaces, locked in key order (no deadlock between batches)."""
+        records = await conn.fetch(
+            QUERIES["lock_schedule_keys"], [ns for ns, _ in members], [i for _, i in members]
+        )
+        return {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records}
+
+    async def transaction_now_ms(self, conn: Connection) -> int:
+        return int(await conn.fetchval(QUERIES["transaction_now"]))
+
     async def applied_command(self, namespace: str, message_id: str) -> AppliedCommand | None:
         """The command already applied under this message id in ``namespace``, if any."""
         record = await self.pool.fetchrow(QUERIES["applied_command"], namespace, message_id)

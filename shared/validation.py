@@ -155,14 +155,13 @@ def parse_command(verb: str, body: Any) -> models.Strict:
             "the body must be a JSON object",
             [{"field": "(body)", "reason": "must be a JSON object"}],
         )
-    too_deep = field_too_deep(body)
-    if too_deep is not None:
-        raise _named_failure(
-            verb, [{"field": too_deep, "reason": f"nests deeper than {MAX_DEPTH} levels"}]
-        )
-    nul_details = [{"field": path, "reason": NUL_REASON} for path in fields_with_nul(body)]
-    if nul_details:
-        raise _named_failure(verb, nul_details)
+    checked = body
+    if verb == "upsert_many" and isinstance(body.get("schedules"), list):
+        # Each schedule is checked (and refused) on its own, by parse_schedule.
+        checked = {key: value for key, value in body.items() if key != "schedules"}
+    problems = structural_problems(checked)
+    if problems:
+        raise _named_failure(verb, problems)
     try:
         return model.model_validate(body)
     except pydantic.ValidationError as exc:
@@ -222,6 +221,29 @@ def fields_with_nul(body: Any, limit: int = 50) -> list[str]:
 
 def _printable(key: str) -> str:
     return key if key.isprintable() and len(key) <= 64 else repr(key[:64])
+
+
+def structural_problems(body: Any) -> list[FieldError]:
+    """What no field may hold: nesting deeper than MAX_DEPTH, a NUL anywhere."""
+    too_deep = field_too_deep(body)
+    if too_deep is not None:
+        return [{"field": too_deep, "reason": f"nests deeper than {MAX_DEPTH} levels"}]
+    return [{"field": path, "reason": NUL_REASON} for path in fields_with_nul(body)]
+
+
+def parse_schedule(raw: Any) -> models.Schedule:
+    """One schedule of an upsert_many, or ValidationFailed(invalid_schedule) naming its fields."""
+    if not isinstance(raw, dict):
+        details = [{"field": "(schedule)", "reason": "must be an object"}]
+        raise ValidationFailed("invalid_schedule", _summary(details), details)
+    problems = structural_problems(raw)
+    if problems:
+        raise ValidationFailed("invalid_schedule", _summary(problems), problems)
+    try:
+        return models.Schedule.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        details = field_errors(exc)
+        raise ValidationFailed("invalid_schedule", _summary(details), details) from None
 
 
 def _command_failure(verb: str, exc: pydantic.ValidationError) -> ValidationFailed:

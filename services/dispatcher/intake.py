@@ -11,16 +11,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
+from services.dispatcher import batch
+from services.dispatcher.views import view
 from shared import (
     amqp,
     codec,
@@ -36,13 +39,12 @@ from shared import (
 )
 from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
-from shared.index import Index
-from shared.plan import AfterCompletionRule, Plan
+from shared.index import Index, Upsert
+from shared.plan import Plan
 from shared.store import CommandAudit, NewScheduleRow, ScheduleRow, Store
 
 log = logging.getLogger(__name__)
 
-NEXT_FIRES_SHOWN = 5
 #: A reply lists at most this many field errors.
 MAX_ERROR_DETAILS = 50
 #: How long each step of reporting an unexpected failure may take.
@@ -87,6 +89,10 @@ class Received:
     command: models.Strict | None = None
     #: An upsert's checked plan (version 0).
     plan: Plan | None = None
+    #: An upsert_many's schedules, each checked or refused on its own.
+    items: list[batch.UpsertItem | ValidationFailed] = field(default_factory=list)
+    #: The ``id`` each of those schedules gives (None: none that is a string).
+    item_ids: list[str | None] = field(default_factory=list)
 
 
 def _delivery_count(message: AbstractIncomingMessage) -> int:
@@ -139,45 +145,6 @@ def decode_cursor(cursor: str | None) -> str:
             "cursor: is not a cursor this cronbus returned",
             [{"field": "cursor", "reason": "is not a cursor this cronbus returned"}],
         ) from None
-
-
-def _next_fires(row: ScheduleRow, plan: Plan, now_ms: int) -> list[str]:
-    if row.state != "active":
-        return []
-    remaining = NEXT_FIRES_SHOWN
-    if plan.max_fires is not None:
-        remaining = min(remaining, max(plan.max_fires - row.fires, 0))
-    times: list[int] = []
-    current = row.next_fire_ms
-    if current is None or current < now_ms:
-        times = schedule.upcoming(plan, now_ms, remaining, fires=0)
-    else:
-        while current is not None and len(times) < remaining:
-            times.append(current)
-            current = (
-                None
-                if isinstance(plan.rule, AfterCompletionRule)
-                else (schedule.next_nominal(plan, current))
-            )
-    return [timefmt.format_ms(t) for t in times]
-
-
-def view(row: ScheduleRow, now_ms: int) -> dict[str, Any]:
-    """A schedule as replies show it: the definition plus what cronbus assigns."""
-    out = dict(row.definition)
-    out.update(
-        namespace=row.namespace,
-        version=row.version,
-        state=row.state,
-        fires=row.fires,
-        last_fire_at=None if row.last_fire_ms is None else timefmt.format_ms(row.last_fire_ms),
-        next_fires=[]
-        if row.state == "deleted"
-        else _next_fires(row, compact.decode(row.compact), now_ms),
-        created_at=timefmt.format_ms(row.created_ms),
-        updated_at=timefmt.format_ms(row.updated_ms),
-    )
-    return out
 
 
 def not_found(namespace: str, schedule_id: str) -> ValidationFailed:
@@ -251,7 +218,7 @@ class Intake:
             assert received.command is not None
             namespace, verb, command = received.namespace, received.verb, received.command
             # No await before the lock: commands on one schedule take it in arrival order.
-            async with self._lock_for(namespace, _schedule_id_of(received.parsed) or ""):
+            async with self._locks_for(namespace, _schedule_ids_of(received)):
                 reply = await transient.retry(
                     lambda: self._execute(namespace, verb, command, received),
                     what="command",
@@ -305,6 +272,29 @@ class Intake:
             received.plan = validation.check_schedule(
                 received.command.schedule, 0, self.now_ms(), self.policy
             )
+        elif isinstance(received.command, models.UpsertManyCommand):
+            now = self.now_ms()
+            raws = received.command.schedules
+            received.items = [self._checked_item(namespace, raw, now) for raw in raws]
+            received.item_ids = [_schedule_id_of(raw) for raw in raws]
+
+    def _checked_item(
+        self, namespace: str, raw: Any, now_ms: int
+    ) -> batch.UpsertItem | ValidationFailed:
+        try:
+            item = validation.parse_schedule(raw)
+            plan = validation.check_schedule(item, 0, now_ms, self.policy)
+        except ValidationFailed as failure:
+            return failure
+        return batch.UpsertItem(namespace, item, plan)
+
+    @contextlib.asynccontextmanager
+    async def _locks_for(self, namespace: str, schedule_ids: list[str]) -> AsyncIterator[None]:
+        """The locks of every schedule a command touches, in id order (no deadlock)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for schedule_id in sorted(set(schedule_ids)):
+                await stack.enter_async_context(self._lock_for(namespace, schedule_id))
+            yield
 
     def _lock_for(self, namespace: str, schedule_id: str) -> asyncio.Lock:
         """Commands on one schedule run one at a time in this process, in arrival order."""
@@ -413,6 +403,8 @@ class Intake:
         replayed = await self._replayed(namespace, verb, received)
         if replayed is not None:
             return replayed
+        if isinstance(command, models.UpsertManyCommand):
+            return await self.upsert_many(received.items, received.item_ids, audit)
         if isinstance(command, models.UpsertCommand):
             assert received.plan is not None
             return await self.upsert(namespace, command, received.plan, audit)
@@ -480,6 +472,66 @@ class Intake:
             await self._record(conn, audit, version, reply)
         await self._index(namespace, item.id, plan, placement)
         return reply
+
+    async def upsert_many(
+        self,
+        items: list[batch.UpsertItem | ValidationFailed],
+        ids: list[str | None],
+        audit: CommandAudit,
+    ) -> dict[str, Any]:
+        """Each schedule applied or refused on its own, as a single upsert; one transaction."""
+        valid = [item for item in items if isinstance(item, batch.UpsertItem)]
+        results: list[dict[str, Any]] = []
+
+        def answered(effect: batch.BatchEffect) -> list[CommandAudit]:
+            outcomes = iter(effect.results)
+            for item, schedule_id in zip(items, ids, strict=True):
+                outcome = item if isinstance(item, ValidationFailed) else next(outcomes)
+                results.append(_item_result(schedule_id, outcome))
+            return [dataclasses.replace(audit, reply={"ok": True, "results": results})]
+
+        await self.apply_batch(valid, answered)
+        return {"ok": True, "results": results}
+
+    async def apply_batch(
+        self,
+        items: list[batch.UpsertItem],
+        more_audits: Callable[[batch.BatchEffect], list[CommandAudit]] | None = None,
+    ) -> batch.BatchEffect:
+        """Upserts in one PostgreSQL transaction (locks, one COPY, one audit statement), then
+        one index call per shard. ``more_audits`` adds rows that need the outcome."""
+        now = self.now_ms()
+        members = sorted({(item.namespace, item.schedule.id) for item in items})
+        async with self.store.transaction() as conn:
+            stored = await self.store.lock_schedule_keys(conn, members) if members else {}
+            txn_now = await self.store.transaction_now_ms(conn)
+            effect = batch.apply_upserts(items, stored, now, txn_now)
+            audits = effect.audits + (more_audits(effect) if more_audits else [])
+            if effect.rows:
+                await self.store.put_schedules(conn, list(effect.rows.values()))
+            await self.store.record_commands(conn, audits)
+        await self._index_batch(effect)
+        return effect
+
+    async def _index_batch(self, effect: batch.BatchEffect) -> None:
+        upserts: dict[int, list[Upsert]] = {}
+        removals: dict[int, list[tuple[str, int | None]]] = {}
+        earliest: dict[int, int] = {}
+        for (namespace, schedule_id), (write, version) in effect.index_writes.items():
+            shard = self.index.shard_of(namespace, schedule_id)
+            if write is None:
+                member = keys.member(namespace, schedule_id)
+                removals.setdefault(shard, []).append((member, version))
+                continue
+            upserts.setdefault(shard, []).append(write)
+            if write.next_fire_ms is not None:
+                earliest[shard] = min(earliest.get(shard, write.next_fire_ms), write.next_fire_ms)
+        if upserts:
+            await self._write_index(lambda: self.index.upsert(upserts))
+        if removals:
+            await self._write_index(lambda: self.index.remove(removals))
+        for shard, fire_ms in earliest.items():
+            await self.wake(shard, fire_ms)
 
     async def delete(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
         now = self.now_ms()
@@ -685,6 +737,23 @@ def _current_of(row: ScheduleRow) -> rotation.Current:
     return rotation.Current(
         compact.decode(row.compact), row.state, row.fires, row.last_fire_ms, row.next_fire_ms
     )
+
+
+def _item_result(
+    schedule_id: str | None, outcome: dict[str, Any] | ValidationFailed
+) -> dict[str, Any]:
+    """One entry of an upsert_many reply."""
+    if isinstance(outcome, ValidationFailed):
+        return {"id": schedule_id, "ok": False, "error": _error_of(outcome)}
+    schedule = outcome["schedule"]
+    return {"id": schedule["id"], "ok": True, "version": schedule["version"]}
+
+
+def _schedule_ids_of(received: Received) -> list[str]:
+    """The schedules a command touches (their locks keep commands on each in order)."""
+    if isinstance(received.command, models.UpsertManyCommand):
+        return [item.schedule.id for item in received.items if isinstance(item, batch.UpsertItem)]
+    return [_schedule_id_of(received.parsed) or ""]
 
 
 def _schedule_id_of(parsed: Any) -> str | None:

@@ -47,6 +47,27 @@ INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
                       correlation_id, body, outcome, error, version, reply)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10::jsonb, $11, $12::jsonb);
 
+-- record_commands --
+-- The audit of many commands, in one statement (group commit).
+INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
+                      correlation_id, body, outcome, error, version, reply)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+                     $7::text[], $8::jsonb[], $9::text[], $10::jsonb[], $11::bigint[],
+                     $12::jsonb[]);
+
+-- lock_schedule_keys --
+-- Schedules of any namespaces, locked until the transaction ends (group commit).
+SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
+       last_fire_at, next_fire_at, created_at, updated_at
+FROM schedules
+WHERE (namespace, id) IN (SELECT * FROM unnest($1::text[], $2::text[]))
+ORDER BY namespace, id
+FOR UPDATE;
+
+-- transaction_now --
+-- The transaction's timestamp: what now() writes into created_at and updated_at.
+SELECT floor(extract(epoch FROM now()) * 1000)::bigint;
+
 -- applied_command --
 -- The command last applied under a message id in a namespace (a redelivery is answered).
 SELECT verb, body, reply FROM commands

@@ -394,3 +394,71 @@ async def test_a_reused_message_id_replays_only_the_same_command(
         "globex", "upsert", {"schedule": every(sink, "m2", 3600)}, message_id="reused"
     )
     assert elsewhere["ok"] is True and "duplicate" not in elsewhere
+
+
+async def test_upsert_many_applies_or_refuses_each_schedule_on_its_own(
+    stack: Stack,
+    sink: Sink,
+    client: CommandClient,
+    endpoints: services.Endpoints,
+    redis_prefix: str,
+    database_url: str,
+) -> None:
+    await stack.start_all(("dispatcher",))
+    existing = await client.send("bulk", "upsert", {"schedule": every(sink, "s1", 3600)})
+    assert existing["schedule"]["version"] == 1
+    schedules: list[Any] = [
+        every(sink, "s0", 3600),
+        every(sink, "s1", 1800),  # replaces version 1
+        {**every(sink, "bad", 3600), "spec": {"kind": "cron", "expr": "0 25 * * *"}},
+        "not a schedule",
+        every(sink, "s0", 60),  # the same schedule again: applied after the first
+        {**every(sink, "nul\x00", 3600)},
+        *[every(sink, f"m{i}", 3600) for i in range(994)],
+    ]
+    reply = await client.send("bulk", "upsert_many", {"schedules": schedules}, timeout_s=60)
+    assert reply["ok"] is True
+    results = reply["results"]
+    assert len(results) == 1000
+    assert results[:2] == [
+        {"id": "s0", "ok": True, "version": 1},
+        {"id": "s1", "ok": True, "version": 2},
+    ]
+    assert results[2]["id"] == "bad" and results[2]["ok"] is False
+    assert results[2]["error"]["code"] == "invalid_schedule"
+    assert results[2]["error"]["details"][0]["field"] == "spec.expr"
+    assert results[3] == {
+        "id": None,
+        "ok": False,
+        "error": {
+            "code": "invalid_schedule",
+            "message": "(schedule): must be an object",
+            "details": [{"field": "(schedule)", "reason": "must be an object"}],
+        },
+    }
+    assert results[4] == {"id": "s0", "ok": True, "version": 2}
+    assert results[5]["ok"] is False and results[5]["error"]["details"][0]["field"] == "id"
+    assert all(r["ok"] and r["version"] == 1 for r in results[6:])
+
+    # Each applied schedule is what a single upsert would have made, in PostgreSQL and Redis.
+    got = await client.send("bulk", "get", {"id": "s0"})
+    assert got["schedule"]["version"] == 2 and got["schedule"]["spec"]["every_s"] == 60
+    members = await index_members(endpoints, redis_prefix)
+    assert members == {"bulk/s0", "bulk/s1", *{f"bulk/m{i}" for i in range(994)}}
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM schedules") == 996
+        audited = await conn.fetchrow(
+            "SELECT outcome, reply FROM commands WHERE verb = 'upsert_many'"
+        )
+        assert audited is not None and audited["outcome"] == "ok"
+        assert len(codec.loads(audited["reply"])["results"]) == 1000
+    finally:
+        await conn.close()
+
+    # More than 1000 is refused whole; so is a command over CRONBUS_MAX_COMMAND_BYTES.
+    too_many = await client.send(
+        "bulk", "upsert_many", {"schedules": [every(sink, f"x{i}", 60) for i in range(1001)]}
+    )
+    assert too_many["error"]["code"] == "invalid_command"
+    assert too_many["error"]["details"][0]["field"] == "schedules"

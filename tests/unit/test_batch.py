@@ -1,0 +1,42 @@
+"""Many upserts applied as one: each item as a single upsert would be (pure)."""
+
+from __future__ import annotations
+
+from services.dispatcher import batch
+from shared import models, timefmt, validation
+from shared.errors import ValidationFailed
+
+NOW = timefmt.parse_rfc3339_ms("2027-01-01T00:00:00Z")
+
+
+def item(schedule_id: str, every_s: int, expected: int | None = None) -> batch.UpsertItem:
+    schedule = models.Schedule.model_validate(
+        {
+            "id": schedule_id,
+            "spec": {"kind": "interval", "every_s": every_s},
+            "target": {"kind": "webhook", "url": "http://127.0.0.1:9/h"},
+        }
+    )
+    plan = validation.check_schedule(schedule, 0, NOW, validation.TargetPolicy())
+    return batch.UpsertItem("ns", schedule, plan, expected)
+
+
+def test_items_apply_in_order_and_a_conflict_refuses_only_itself() -> None:
+    effect = batch.apply_upserts(
+        [item("a", 60), item("b", 60, expected=3), item("a", 120, expected=1), item("c", 60)],
+        {},
+        NOW,
+        NOW + 5,
+    )
+    first, conflict, second, other = effect.results
+    assert isinstance(first, dict) and first["created"] is True
+    assert first["schedule"]["version"] == 1
+    assert isinstance(conflict, ValidationFailed) and conflict.code == "version_conflict"
+    assert isinstance(second, dict) and second["created"] is False
+    assert second["schedule"]["version"] == 2 and second["schedule"]["spec"]["every_s"] == 120
+    assert isinstance(other, dict) and other["schedule"]["version"] == 1
+    # One row and one index write per schedule: the last one.
+    assert {k: r.version for k, r in effect.rows.items()} == {("ns", "a"): 2, ("ns", "c"): 1}
+    write, version = effect.index_writes[("ns", "a")]
+    assert write is not None and version == 2
+    assert second["schedule"]["updated_at"] == timefmt.format_ms(NOW + 5)
