@@ -64,7 +64,11 @@ class DispatcherSettings(CommonSettings):
     #: shards and a dead one's are taken over after this long (0: claim from every shard).
     shard_lease_s: float = Field(default=5, ge=0, le=300)
     #: Unacknowledged commands the intake works on at once.
-    commands_prefetch: int = Field(default=32, ge=1, le=10_000)
+    commands_prefetch: int = Field(default=512, ge=1, le=10_000)
+    #: Most upserts written in one PostgreSQL transaction (group commit).
+    commands_batch: int = Field(default=500, ge=1, le=10_000)
+    #: How long an upsert waits for others to share its transaction.
+    commands_linger_ms: float = Field(default=1, ge=0, le=1000)
     #: Largest command body accepted; a larger one is refused with code too_large.
     max_command_bytes: int = Field(default=262_144, ge=1024, le=64 * 1024 * 1024)
     #: Comma-separated host globs webhook targets may call.

@@ -358,6 +358,20 @@ class Store:
         )
         return {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records}
 
+    async def applied_commands(
+        self, conn: Connection, members: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], AppliedCommand]:
+        """(namespace, message_id) -> the command already applied under it, for each given."""
+        wanted = set(members)
+        if not wanted:
+            return {}
+        records = await conn.fetch(QUERIES["applied_commands"], sorted({mid for _, mid in wanted}))
+        return {
+            (r["namespace"], r["message_id"]): AppliedCommand(r["verb"], r["body"], r["reply"])
+            for r in records
+            if (r["namespace"], r["message_id"]) in wanted
+        }
+
     async def transaction_now_ms(self, conn: Connection) -> int:
         return int(await conn.fetchval(QUERIES["transaction_now"]))
 

@@ -18,7 +18,7 @@ from shared import compact, keys, models, rotation
 from shared.errors import ValidationFailed
 from shared.index import Upsert
 from shared.plan import Plan
-from shared.store import CommandAudit, NewScheduleRow, ScheduleRow
+from shared.store import AppliedCommand, CommandAudit, NewScheduleRow, ScheduleRow
 
 Key = tuple[str, str]
 
@@ -32,6 +32,9 @@ class UpsertItem:
     expected_version: int | None = None
     #: The audit row of the command (None: the command's own row is written by the caller).
     audit: CommandAudit | None = None
+    #: The command's message_id and body: a replay is answered, a reuse is a conflict.
+    message_id: str | None = None
+    body: Any = None
 
 
 @dataclass
@@ -46,16 +49,26 @@ class BatchEffect:
 
 
 def apply_upserts(
-    items: list[UpsertItem], stored: dict[Key, ScheduleRow], now_ms: int, txn_now_ms: int
+    items: list[UpsertItem],
+    stored: dict[Key, ScheduleRow],
+    now_ms: int,
+    txn_now_ms: int,
+    applied: dict[Key, AppliedCommand] | None = None,
 ) -> BatchEffect:
     """The effect of ``items`` on the schedules ``stored`` (locked by the caller).
 
     ``now_ms`` is the clock the rotation is placed by; ``txn_now_ms`` is what PostgreSQL writes
     as ``updated_at`` (the transaction's ``now()``), so replies show what a ``get`` will.
+    ``applied`` maps (namespace, message_id) to the command already applied under it.
     """
     effect = BatchEffect()
     current = dict(stored)
+    seen = dict(applied or {})
     for item in items:
+        earlier = seen.get((item.namespace, item.message_id)) if item.message_id else None
+        if earlier is not None:
+            effect.results.append(_replay_of(item, earlier))
+            continue
         key = (item.namespace, item.schedule.id)
         outcome = _apply_one(item, current.get(key), now_ms, txn_now_ms)
         if isinstance(outcome, ValidationFailed):
@@ -66,6 +79,8 @@ def apply_upserts(
         effect.rows[key] = new_row
         effect.index_writes[key] = (index_write, row.version)
         effect.results.append(reply)
+        if item.message_id:
+            seen[(item.namespace, item.message_id)] = AppliedCommand("upsert", item.body, reply)
         if item.audit is not None:
             effect.audits.append(dataclasses.replace(item.audit, version=row.version, reply=reply))
     return effect
@@ -115,6 +130,22 @@ def _apply_one(
     index_write = rotation.index_write(item.namespace, item.schedule.id, plan, raw_plan, placement)
     reply = {"ok": True, "created": not live, "schedule": view(row, now_ms)}
     return row, new_row, index_write, reply
+
+
+def _replay_of(item: UpsertItem, earlier: AppliedCommand) -> dict[str, Any] | ValidationFailed:
+    """The stored reply of the same command again; a conflict for a reused message_id."""
+    if earlier.verb == "upsert" and earlier.body == item.body:
+        return {**earlier.reply, "duplicate": True}
+    return message_id_conflict(item.namespace, item.message_id or "", earlier.verb)
+
+
+def message_id_conflict(namespace: str, message_id: str, verb: str) -> ValidationFailed:
+    return ValidationFailed(
+        "conflict",
+        f"message_id {message_id!r} was already used for another command "
+        f"({namespace}.{verb}); send this one with a new message_id",
+        [{"field": "message_id", "reason": "was already used for another command"}],
+    )
 
 
 def version_conflict(expected: int, found: int) -> ValidationFailed:

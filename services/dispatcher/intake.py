@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from shared import (
     transient,
     validation,
 )
+from shared.batcher import Batcher
 from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
 from shared.index import Index, Upsert
@@ -175,6 +176,12 @@ class Intake:
         self.clock = clock
         self.policy = settings.target_policy()
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self.committer: Batcher[batch.UpsertItem, dict[str, Any] | Exception] = Batcher(
+            self._commit_upserts,
+            max_delay_ms=settings.commands_linger_ms,
+            max_items=settings.commands_batch,
+            name="upsert-commit",
+        )
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -400,6 +407,22 @@ class Intake:
         self, namespace: str, verb: str, command: models.Strict, received: Received
     ) -> dict[str, Any]:
         audit = self._audit_of(received, "ok")
+        if isinstance(command, models.UpsertCommand):
+            # Group commit: with the upserts ready at the same time, replay check included.
+            assert received.plan is not None
+            item = batch.UpsertItem(
+                namespace,
+                command.schedule,
+                received.plan,
+                command.expected_version,
+                audit,
+                received.meta.message_id,
+                received.parsed,
+            )
+            result = await self.committer.submit(item)
+            if isinstance(result, Exception):
+                raise result
+            return result
         replayed = await self._replayed(namespace, verb, received)
         if replayed is not None:
             return replayed
@@ -493,6 +516,30 @@ class Intake:
         await self.apply_batch(valid, answered)
         return {"ok": True, "results": results}
 
+    async def _commit_upserts(
+        self, items: Sequence[batch.UpsertItem]
+    ) -> list[dict[str, Any] | Exception]:
+        """One transaction for the upserts ready together. Should it fail for a reason other
+        than an outage, each is applied alone, so that one bad command fails only itself."""
+        try:
+            effect = await transient.retry(
+                lambda: self.apply_batch(list(items)), what="commands", stopping=self.stopping
+            )
+        except transient.Stopped:
+            raise
+        except Exception as exc:  # noqa: BLE001 - isolated below: each command fails alone
+            if len(items) == 1:
+                return [exc]
+            log.warning(
+                "a batch of commands failed; applying them one at a time",
+                extra={"action": "command_batch_split", "commands": len(items)},
+            )
+            results: list[dict[str, Any] | Exception] = []
+            for item in items:
+                results += await self._commit_upserts([item])
+            return results
+        return list(effect.results)
+
     async def apply_batch(
         self,
         items: list[batch.UpsertItem],
@@ -505,7 +552,10 @@ class Intake:
         async with self.store.transaction() as conn:
             stored = await self.store.lock_schedule_keys(conn, members) if members else {}
             txn_now = await self.store.transaction_now_ms(conn)
-            effect = batch.apply_upserts(items, stored, now, txn_now)
+            applied = await self.store.applied_commands(
+                conn, [(i.namespace, i.message_id) for i in items if i.message_id]
+            )
+            effect = batch.apply_upserts(items, stored, now, txn_now, applied)
             audits = effect.audits + (more_audits(effect) if more_audits else [])
             if effect.rows:
                 await self.store.put_schedules(conn, list(effect.rows.values()))
@@ -661,12 +711,7 @@ class Intake:
         if applied is None:
             return None
         if applied.verb != verb or applied.body != received.parsed:
-            raise ValidationFailed(
-                "conflict",
-                f"message_id {message_id!r} was already used for another command "
-                f"({namespace}.{applied.verb}); send this one with a new message_id",
-                [{"field": "message_id", "reason": "was already used for another command"}],
-            )
+            raise batch.message_id_conflict(namespace, message_id, applied.verb)
         reply = applied.reply
         if verb == "trigger":
             await self._ensure_trigger(namespace, reply)

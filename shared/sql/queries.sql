@@ -68,6 +68,14 @@ FOR UPDATE;
 -- The transaction's timestamp: what now() writes into created_at and updated_at.
 SELECT floor(extract(epoch FROM now()) * 1000)::bigint;
 
+-- applied_commands --
+-- The commands last applied under any of these message ids (group commit's replay check; the
+-- caller keeps the rows of its own namespaces).
+SELECT DISTINCT ON (namespace, message_id) namespace, message_id, verb, body, reply
+FROM commands
+WHERE message_id = ANY($1::text[]) AND outcome = 'ok' AND verb NOT IN ('get', 'list')
+ORDER BY namespace, message_id, seq DESC;
+
 -- applied_command --
 -- The command last applied under a message id in a namespace (a redelivery is answered).
 SELECT verb, body, reply FROM commands
