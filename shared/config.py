@@ -67,8 +67,8 @@ class DispatcherSettings(CommonSettings):
     commands_prefetch: int = Field(default=512, ge=1, le=10_000)
     #: Most upserts written in one PostgreSQL transaction (group commit).
     commands_batch: int = Field(default=500, ge=1, le=10_000)
-    #: How long an upsert waits for others to share its transaction.
-    commands_linger_ms: float = Field(default=1, ge=0, le=1000)
+    #: Group commits under way at once (each holds a PostgreSQL connection).
+    commands_commit_workers: int = Field(default=2, ge=1, le=32)
     #: Largest command body accepted; a larger one is refused with code too_large.
     max_command_bytes: int = Field(default=262_144, ge=1024, le=64 * 1024 * 1024)
     #: Comma-separated host globs webhook targets may call.

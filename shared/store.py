@@ -144,6 +144,28 @@ def _audit_json(value: Any) -> Any:
     return codec.Fragment(encoded)
 
 
+def _as_json(value: dict[str, Any] | bytes) -> Any:
+    return codec.Fragment(value) if isinstance(value, bytes) else value
+
+
+def _audit_columns(audits: Sequence[CommandAudit]) -> list[list[Any]]:
+    """Audit rows as the column arrays of an unnest (sanitized as ``record_command`` does)."""
+    return [
+        [_audit_text(a.namespace) for a in audits],
+        [_audit_text(a.verb) for a in audits],
+        [_audit_text(a.schedule_id) for a in audits],
+        [_audit_text(a.user_id) for a in audits],
+        [_audit_text(a.app_id) for a in audits],
+        [_audit_text(a.message_id) for a in audits],
+        [_audit_text(a.correlation_id) for a in audits],
+        [_audit_json(a.body) for a in audits],
+        [_audit_text(a.outcome) for a in audits],
+        [_audit_json(a.error) for a in audits],
+        [a.version for a in audits],
+        [_audit_json(a.reply) for a in audits],
+    ]
+
+
 @dataclass(slots=True)
 class ExecutionRow:
     namespace: str
@@ -329,34 +351,36 @@ class Store:
             _audit_json(audit.reply),
         )
 
-    async def record_commands(self, conn: Connection, audits: Sequence[CommandAudit]) -> None:
-        """Many audit rows in one statement (sanitized as ``record_command`` does)."""
-        if not audits:
-            return
-        await conn.execute(
-            QUERIES["record_commands"],
-            [_audit_text(a.namespace) for a in audits],
-            [_audit_text(a.verb) for a in audits],
-            [_audit_text(a.schedule_id) for a in audits],
-            [_audit_text(a.user_id) for a in audits],
-            [_audit_text(a.app_id) for a in audits],
-            [_audit_text(a.message_id) for a in audits],
-            [_audit_text(a.correlation_id) for a in audits],
-            [_audit_json(a.body) for a in audits],
-            [_audit_text(a.outcome) for a in audits],
-            [_audit_json(a.error) for a in audits],
-            [a.version for a in audits],
-            [_audit_json(a.reply) for a in audits],
-        )
-
     async def lock_schedule_keys(
         self, conn: Connection, members: Sequence[tuple[str, str]]
-    ) -> dict[tuple[str, str], ScheduleRow]:
-        """Schedules of any namespaces, locked in key order (no deadlock between batches)."""
+    ) -> tuple[int, dict[tuple[str, str], ScheduleRow]]:
+        """The transaction's now() (ms) and the schedules of any namespaces, locked in key order
+        (no deadlock between batches)."""
         records = await conn.fetch(
             QUERIES["lock_schedule_keys"], [ns for ns, _ in members], [i for _, i in members]
         )
-        return {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records}
+        rows = {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records if r["id"]}
+        return int(records[0]["txn_now_ms"]), rows
+
+    async def put_schedules_and_audit(
+        self, conn: Connection, rows: Sequence[NewScheduleRow], audits: Sequence[CommandAudit]
+    ) -> None:
+        """Group commit's writes: the schedules and the audit rows, in one statement."""
+        await conn.execute(
+            QUERIES["put_schedules_and_audit"],
+            [r.namespace for r in rows],
+            [r.id for r in rows],
+            [r.version for r in rows],
+            [r.state for r in rows],
+            [_as_json(r.definition) for r in rows],
+            [r.compact for r in rows],
+            [r.priority for r in rows],
+            [r.labels for r in rows],
+            [r.fires for r in rows],
+            [r.last_fire_ms for r in rows],
+            [r.next_fire_ms for r in rows],
+            *_audit_columns(audits),
+        )
 
     async def applied_commands(
         self, conn: Connection, members: Sequence[tuple[str, str]]
@@ -371,9 +395,6 @@ class Store:
             for r in records
             if (r["namespace"], r["message_id"]) in wanted
         }
-
-    async def transaction_now_ms(self, conn: Connection) -> int:
-        return int(await conn.fetchval(QUERIES["transaction_now"]))
 
     async def applied_command(self, namespace: str, message_id: str) -> AppliedCommand | None:
         """The command already applied under this message id in ``namespace``, if any."""

@@ -37,7 +37,7 @@ from shared import (
     transient,
     validation,
 )
-from shared.batcher import Batcher
+from shared.batcher import GroupCommit
 from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
 from shared.index import Index, Upsert
@@ -176,10 +176,10 @@ class Intake:
         self.clock = clock
         self.policy = settings.target_policy()
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self.committer: Batcher[batch.UpsertItem, dict[str, Any] | Exception] = Batcher(
+        self.committer: GroupCommit[batch.UpsertItem, dict[str, Any] | Exception] = GroupCommit(
             self._commit_upserts,
-            max_delay_ms=settings.commands_linger_ms,
             max_items=settings.commands_batch,
+            workers=settings.commands_commit_workers,
             name="upsert-commit",
         )
 
@@ -550,16 +550,13 @@ class Intake:
         now = self.now_ms()
         members = sorted({(item.namespace, item.schedule.id) for item in items})
         async with self.store.transaction() as conn:
-            stored = await self.store.lock_schedule_keys(conn, members) if members else {}
-            txn_now = await self.store.transaction_now_ms(conn)
+            txn_now, stored = await self.store.lock_schedule_keys(conn, members)
             applied = await self.store.applied_commands(
                 conn, [(i.namespace, i.message_id) for i in items if i.message_id]
             )
             effect = batch.apply_upserts(items, stored, now, txn_now, applied)
             audits = effect.audits + (more_audits(effect) if more_audits else [])
-            if effect.rows:
-                await self.store.put_schedules(conn, list(effect.rows.values()))
-            await self.store.record_commands(conn, audits)
+            await self.store.put_schedules_and_audit(conn, list(effect.rows.values()), audits)
         await self._index_batch(effect)
         return effect
 
@@ -580,8 +577,10 @@ class Intake:
             await self._write_index(lambda: self.index.upsert(upserts))
         if removals:
             await self._write_index(lambda: self.index.remove(removals))
-        for shard, fire_ms in earliest.items():
-            await self.wake(shard, fire_ms)
+        soonest = min(earliest.items(), key=lambda item: item[1], default=None)
+        if soonest is not None and soonest[1] < self.now_ms() + self.settings.max_sleep_s * 1000:
+            # Later fires are found by the dispatchers' own next look: no wake-up needed.
+            await self.wake(*soonest)
 
     async def delete(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
         now = self.now_ms()

@@ -47,26 +47,46 @@ INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
                       correlation_id, body, outcome, error, version, reply)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10::jsonb, $11, $12::jsonb);
 
--- record_commands --
--- The audit of many commands, in one statement (group commit).
-INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
-                      correlation_id, body, outcome, error, version, reply)
-SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
-                     $7::text[], $8::jsonb[], $9::text[], $10::jsonb[], $11::bigint[],
-                     $12::jsonb[]);
-
 -- lock_schedule_keys --
--- Schedules of any namespaces, locked until the transaction ends (group commit).
-SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
-       last_fire_at, next_fire_at, created_at, updated_at
-FROM schedules
-WHERE (namespace, id) IN (SELECT * FROM unnest($1::text[], $2::text[]))
-ORDER BY namespace, id
-FOR UPDATE;
+-- Schedules of any namespaces, locked until the transaction ends, and the transaction's
+-- timestamp (what now() writes as updated_at): one row with NULLs when none is stored yet.
+WITH locked AS (
+    SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
+           last_fire_at, next_fire_at, created_at, updated_at
+    FROM schedules
+    WHERE (namespace, id) IN (SELECT * FROM unnest($1::text[], $2::text[]))
+    ORDER BY namespace, id
+    FOR UPDATE
+)
+SELECT floor(extract(epoch FROM now()) * 1000)::bigint AS txn_now_ms, locked.*
+FROM (SELECT 1) AS one LEFT JOIN locked ON true;
 
--- transaction_now --
--- The transaction's timestamp: what now() writes into created_at and updated_at.
-SELECT floor(extract(epoch FROM now()) * 1000)::bigint;
+-- put_schedules_and_audit --
+-- Group commit: create or replace the schedules and write the commands' audit rows, in one
+-- statement.
+WITH put AS (
+    INSERT INTO schedules AS s (namespace, id, version, state, definition, compact, priority,
+                                labels, fires, last_fire_at, next_fire_at)
+    SELECT r.namespace, r.id, r.version, r.state, r.definition, r.compact, r.priority, r.labels,
+           r.fires, to_timestamp(r.last_fire_ms / 1000.0), to_timestamp(r.next_fire_ms / 1000.0)
+    FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::jsonb[], $6::bytea[],
+                $7::int[], $8::jsonb[], $9::bigint[], $10::bigint[], $11::bigint[])
+         AS r(namespace, id, version, state, definition, compact, priority, labels, fires,
+              last_fire_ms, next_fire_ms)
+    ON CONFLICT (namespace, id) DO UPDATE
+    SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.definition,
+        compact = EXCLUDED.compact, priority = EXCLUDED.priority, labels = EXCLUDED.labels,
+        fires = EXCLUDED.fires, last_fire_at = EXCLUDED.last_fire_at,
+        next_fire_at = EXCLUDED.next_fire_at, updated_at = now(),
+        created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END
+), audit AS (
+    INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
+                          correlation_id, body, outcome, error, version, reply)
+    SELECT * FROM unnest($12::text[], $13::text[], $14::text[], $15::text[], $16::text[],
+                         $17::text[], $18::text[], $19::jsonb[], $20::text[], $21::jsonb[],
+                         $22::bigint[], $23::jsonb[])
+)
+SELECT 1;
 
 -- applied_commands --
 -- The commands last applied under any of these message ids (group commit's replay check; the

@@ -462,3 +462,43 @@ async def test_upsert_many_applies_or_refuses_each_schedule_on_its_own(
     )
     assert too_many["error"]["code"] == "invalid_command"
     assert too_many["error"]["details"][0]["field"] == "schedules"
+
+
+async def test_commands_on_one_schedule_apply_in_arrival_order_under_load(
+    stack: Stack, sink: Sink, client: CommandClient
+) -> None:
+    """Hundreds of interleaved commands in flight at once (group commit batches them): each
+    schedule sees its own commands in the order they were published."""
+    await stack.start_all(("dispatcher",))
+    schedules, rounds = 20, 30
+    sent: list[tuple[str, int, str]] = []
+    for r in range(rounds):
+        for k in range(schedules):
+            verb = "pause" if r % 10 == 5 else "resume" if r % 10 == 6 else "upsert"
+            sent.append((f"o{k}", r, verb))
+    replies = await asyncio.gather(
+        *(
+            client.send(
+                "order",
+                verb,
+                {"id": sid}
+                if verb != "upsert"
+                else {"schedule": every(sink, sid, 60 + r, paused=r % 10 == 5)},
+            )
+            for sid, r, verb in sent
+        )
+    )
+    assert all(reply["ok"] for reply in replies), [r for r in replies if not r["ok"]][:3]
+    for k in range(schedules):
+        mine = [
+            (r, verb, reply)
+            for (sid, r, verb), reply in zip(sent, replies, strict=True)
+            if sid == f"o{k}"
+        ]
+        versions = [reply["schedule"]["version"] for _, _, reply in mine]
+        # Every command changed the schedule (pause after an upsert, resume after a pause):
+        # in publish order, each reply is the next version.
+        assert versions == list(range(1, rounds + 1)), versions
+        got = await client.send("order", "get", {"id": f"o{k}"})
+        assert got["schedule"]["version"] == rounds
+        assert got["schedule"]["spec"]["every_s"] == 60 + rounds - 1
