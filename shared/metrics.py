@@ -43,6 +43,11 @@ COMMANDS = Counter(
 DEAD_LETTERED = Counter(
     "cronbus_dead_lettered_total", "Messages sent to a dead-letter queue.", ["queue"]
 )
+COMMAND_BATCH = Histogram(
+    "cronbus_command_batch_size",
+    "Upserts written per group commit (one PostgreSQL transaction).",
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+)
 REPLY_TO_REFUSED = Counter(
     "cronbus_reply_to_refused_total",
     "Commands refused unanswered: reply_to was not direct reply-to or a server-named queue.",
@@ -125,6 +130,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
         COMMANDS,
         DEAD_LETTERED,
         REPLY_TO_REFUSED,
+        COMMAND_BATCH,
         DEPENDENCY_UP,
     ),
     "executor": (

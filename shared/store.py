@@ -298,6 +298,18 @@ class Store:
         record = await self.pool.fetchrow(QUERIES["get_schedule"], namespace, schedule_id)
         return None if record is None else ScheduleRow.of(record)
 
+    async def get_schedules_and_audit(
+        self, members: Sequence[tuple[str, str]], audits: Sequence[CommandAudit]
+    ) -> dict[tuple[str, str], ScheduleRow]:
+        """Many schedules by (namespace, id), writing the gets' audit rows: one round trip."""
+        records = await self.pool.fetch(
+            QUERIES["get_schedules_and_audit"],
+            [ns for ns, _ in members],
+            [i for _, i in members],
+            *_audit_columns(audits),
+        )
+        return {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records}
+
     async def put_schedule(self, conn: Connection, row: NewScheduleRow) -> ScheduleRow:
         record = await conn.fetchrow(
             QUERIES["put_schedule"],

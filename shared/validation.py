@@ -170,6 +170,8 @@ def parse_command(verb: str, body: Any) -> models.Strict:
 
 #: PostgreSQL cannot store a NUL in text or JSON, and no field has a use for one.
 NUL_REASON = "must not contain a NUL character"
+#: Fields with a NUL named in one refusal.
+MAX_NUL_FIELDS = 50
 
 
 #: How deep a command may nest (a schedule needs 4 levels; a target body gets the rest). The
@@ -177,58 +179,32 @@ NUL_REASON = "must not contain a NUL character"
 MAX_DEPTH = 64
 
 
-def field_too_deep(body: Any) -> str | None:
-    """The path of the first value nested deeper than MAX_DEPTH, or None (iterative)."""
-    stack: list[tuple[str, Any, int]] = [("", body, 0)]
-    while stack:
-        path, value, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            # Name where the nesting starts (say schedule.target.body), not 65 levels of it.
-            head = ".".join(path.split("[", 1)[0].split(".")[:3])
-            return head or "(body)"
-        if isinstance(value, dict):
-            stack.extend(
-                (f"{path}.{_printable(k)}" if path else _printable(k), v, depth + 1)
-                for k, v in value.items()
-            )
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value))
-    return None
-
-
-def fields_with_nul(body: Any, limit: int = 50) -> list[str]:
-    """Paths (``schedule.labels.team``) of the strings or keys holding a NUL, at most ``limit``.
-
-    Iterative: a hostile body may nest as deep as the JSON parser allows.
-    """
-    found: list[str] = []
-    stack: list[tuple[str, Any]] = [("", body)]
-    while stack and len(found) < limit:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if "\x00" in value:
-                found.append(path or "(body)")
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                child = f"{path}.{_printable(key)}" if path else _printable(key)
-                if "\x00" in key:
-                    found.append(child)
-                stack.append((child, item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
-    return sorted(found)
-
-
 def _printable(key: str) -> str:
     return key if key.isprintable() and len(key) <= 64 else repr(key[:64])
 
 
 def structural_problems(body: Any) -> list[FieldError]:
-    """What no field may hold: nesting deeper than MAX_DEPTH, a NUL anywhere."""
-    too_deep = field_too_deep(body)
-    if too_deep is not None:
-        return [{"field": too_deep, "reason": f"nests deeper than {MAX_DEPTH} levels"}]
-    return [{"field": path, "reason": NUL_REASON} for path in fields_with_nul(body)]
+    """What no field may hold: nesting deeper than MAX_DEPTH, a NUL anywhere (one pass)."""
+    nul: list[str] = []
+    stack: list[tuple[str, Any, int]] = [("", body, 0)]
+    while stack:
+        path, value, depth = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value and len(nul) < MAX_NUL_FIELDS:
+                nul.append(path or "(body)")
+        elif depth >= MAX_DEPTH and isinstance(value, dict | list) and value:
+            # Name where the nesting starts (say schedule.target.body), not 65 levels of it.
+            head = ".".join(path.split("[", 1)[0].split(".")[:3])
+            return [{"field": head or "(body)", "reason": f"nests deeper than {MAX_DEPTH} levels"}]
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{_printable(key)}" if path else _printable(key)
+                if "\x00" in key and len(nul) < MAX_NUL_FIELDS:
+                    nul.append(child)
+                stack.append((child, item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
+    return [{"field": path, "reason": NUL_REASON} for path in sorted(nul)]
 
 
 def parse_schedule(raw: Any) -> models.Schedule:

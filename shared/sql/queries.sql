@@ -5,6 +5,20 @@ SELECT namespace, id, version, state, definition, compact, priority, labels, fir
 FROM schedules
 WHERE namespace = $1 AND id = $2;
 
+-- get_schedules_and_audit --
+-- Many schedules (any namespaces, any state) and the audit rows of the gets that asked.
+WITH audit AS (
+    INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
+                          correlation_id, body, outcome, error, version, reply)
+    SELECT * FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+                         $8::text[], $9::text[], $10::jsonb[], $11::text[], $12::jsonb[],
+                         $13::bigint[], $14::jsonb[])
+)
+SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
+       last_fire_at, next_fire_at, created_at, updated_at
+FROM schedules
+WHERE (namespace, id) IN (SELECT * FROM unnest($1::text[], $2::text[]));
+
 -- lock_schedule --
 -- One schedule, locked until the command's transaction ends.
 SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
