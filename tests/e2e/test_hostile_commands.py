@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cronbus.client import CommandClient
-from shared import codec, keys
+from shared import amqp, codec, keys
 from tests.support import services
 from tests.support.stack import Stack
 
@@ -532,3 +532,37 @@ async def test_fuzz_thousands_of_hostile_commands_never_stall_the_intake(
         f"{len(refused_but_stored)}, accepted {len(accepted) - 1}; next command answered in "
         f"{answer_s * 1000:.0f} ms; reply codes {codes}"
     )
+
+
+async def test_a_command_delivered_too_often_is_dead_lettered_with_the_reason(
+    stack: Stack, replies: Replies, amqp_url: str, database_url: str
+) -> None:
+    """A command whose consumer died on it every time (the quorum queue counts the deliveries
+    in x-delivery-count) is not tried again: it is answered internal and kept in the DLQ."""
+    await stack.start_all(("dispatcher",))
+    cid = await replies.publish(
+        "acme.upsert",
+        codec.dumps(upsert("poison")),
+        headers={"x-delivery-count": amqp.COMMAND_DELIVERY_LIMIT},
+    )
+    assert await replies.wait({cid}, 10) == set()
+    assert replies.got[cid]["error"]["code"] == "internal"
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        dlq = await channel.get_queue(keys.dead_letter_queue(keys.COMMANDS_QUEUE), ensure=False)
+        dead = None
+        for _ in range(50):
+            dead = await dlq.get(fail=False)
+            if dead is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert dead is not None
+        assert "delivered 5 times" in str((dead.headers or {}).get(keys.DEAD_REASON_HEADER))
+    finally:
+        await connection.close()
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM schedules") == 0
+    finally:
+        await conn.close()
