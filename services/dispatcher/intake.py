@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
@@ -42,7 +42,7 @@ from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
 from shared.index import Index, Upsert
 from shared.plan import Plan
-from shared.store import CommandAudit, NewScheduleRow, ScheduleRow, Store
+from shared.store import CommandAudit, ScheduleRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +148,13 @@ def decode_cursor(cursor: str | None) -> str:
         ) from None
 
 
-def not_found(namespace: str, schedule_id: str) -> ValidationFailed:
-    return ValidationFailed(
-        "not_found",
-        f"no schedule {namespace}/{schedule_id}",
-        [{"field": "id", "reason": f"no schedule {schedule_id!r} in namespace {namespace!r}"}],
-    )
+not_found = batch.not_found
+#: Verbs that go through group commit besides upsert.
+CHANGE_VERBS: dict[str, Literal["delete", "pause", "resume"]] = {
+    "delete": "delete",
+    "pause": "pause",
+    "resume": "resume",
+}
 
 
 class Intake:
@@ -176,7 +177,7 @@ class Intake:
         self.clock = clock
         self.policy = settings.target_policy()
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self.committer: GroupCommit[batch.UpsertItem, dict[str, Any] | Exception] = GroupCommit(
+        self.committer: GroupCommit[batch.Item, dict[str, Any] | Exception] = GroupCommit(
             self._commit_upserts,
             max_items=settings.commands_batch,
             workers=settings.commands_commit_workers,
@@ -435,79 +436,37 @@ class Intake:
             if isinstance(result, Exception):
                 raise result
             return result
+        change_verb = CHANGE_VERBS.get(verb)
+        if change_verb is not None:
+            assert isinstance(command, models.IdCommand)
+            change = batch.ChangeItem(
+                namespace,
+                command.id,
+                change_verb,
+                audit,
+                received.meta.message_id,
+                received.parsed,
+            )
+            changed = await self.committer.submit(change)
+            if isinstance(changed, Exception):
+                raise changed
+            return changed
         replayed = await self._replayed(namespace, verb, received)
         if replayed is not None:
             return replayed
         if isinstance(command, models.UpsertManyCommand):
             return await self.upsert_many(received.items, received.item_ids, audit)
-        if isinstance(command, models.UpsertCommand):
-            assert received.plan is not None
-            return await self.upsert(namespace, command, received.plan, audit)
         if isinstance(command, models.ListCommand):
             reply = await self.list(namespace, command)
             await self.store.record_command(audit)
             return reply
         assert isinstance(command, models.IdCommand)
-        handlers = {
-            "delete": self.delete,
-            "pause": self.pause,
-            "resume": self.resume,
-            "trigger": self.trigger,
-        }
         if verb == "get":
             row = await self.reader.submit((namespace, command.id, audit))
             if row is None or row.state == "deleted":
                 raise not_found(namespace, command.id)
             return {"ok": True, "schedule": view(row, self.now_ms())}
-        return await handlers[verb](namespace, command.id, audit)
-
-    async def upsert(
-        self, namespace: str, command: models.UpsertCommand, checked: Plan, audit: CommandAudit
-    ) -> dict[str, Any]:
-        """Create or replace a schedule whose plan ``checked`` has passed validation."""
-        item = command.schedule
-        now = self.now_ms()
-        async with self.store.transaction() as conn:
-            old = await self.store.lock_schedule(conn, namespace, item.id)
-            live = old is not None and old.state != "deleted"
-            current_version = old.version if old is not None and live else 0
-            if command.expected_version is not None and command.expected_version != (
-                current_version
-            ):
-                raise ValidationFailed(
-                    "version_conflict",
-                    f"expected version {command.expected_version}, found {current_version}",
-                    [
-                        {
-                            "field": "expected_version",
-                            "reason": f"the stored version is {current_version}",
-                        }
-                    ],
-                )
-            version = (old.version if old is not None else 0) + 1
-            plan = dataclasses.replace(checked, version=version)
-            current = _current_of(old) if live and old is not None else None
-            placement = rotation.place_upsert(current, plan, item.paused, now)
-            row = await self.store.put_schedule(
-                conn,
-                NewScheduleRow(
-                    namespace,
-                    item.id,
-                    version,
-                    placement.state,
-                    item.model_dump(mode="json"),
-                    compact.encode(plan),
-                    item.priority,
-                    item.labels,
-                    placement.fires,
-                    placement.last_fire_ms,
-                    placement.next_nominal,
-                ),
-            )
-            reply = {"ok": True, "created": not live, "schedule": view(row, now)}
-            await self._record(conn, audit, version, reply)
-        await self._index(namespace, item.id, plan, placement)
-        return reply
+        return await self.trigger(namespace, command.id, audit)
 
     async def upsert_many(
         self,
@@ -530,7 +489,7 @@ class Intake:
         return {"ok": True, "results": results}
 
     async def _commit_upserts(
-        self, items: Sequence[batch.UpsertItem]
+        self, items: Sequence[batch.Item]
     ) -> list[dict[str, Any] | Exception]:
         """One transaction for the upserts ready together. Should it fail for a reason other
         than an outage, each is applied alone, so that one bad command fails only itself."""
@@ -566,14 +525,14 @@ class Intake:
 
     async def apply_batch(
         self,
-        items: list[batch.UpsertItem],
+        items: Sequence[batch.Item],
         more_audits: Callable[[batch.BatchEffect], list[CommandAudit]] | None = None,
     ) -> batch.BatchEffect:
         """Upserts in one PostgreSQL transaction (locks, one COPY, one audit statement), then
         one index call per shard. ``more_audits`` adds rows that need the outcome."""
         metrics.COMMAND_BATCH.observe(len(items))
         now = self.now_ms()
-        members = sorted({(item.namespace, item.schedule.id) for item in items})
+        members = sorted({(item.namespace, batch.schedule_id_of(item)) for item in items})
         async with self.store.transaction() as conn:
             txn_now, stored = await self.store.lock_schedule_keys(conn, members)
             applied = await self.store.applied_commands(
@@ -606,51 +565,6 @@ class Intake:
         if soonest is not None and soonest[1] < self.now_ms() + self.settings.max_sleep_s * 1000:
             # Later fires are found by the dispatchers' own next look: no wake-up needed.
             await self.wake(*soonest)
-
-    async def delete(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
-        now = self.now_ms()
-        async with self.store.transaction() as conn:
-            old = await self._existing(conn, namespace, schedule_id)
-            version = old.version + 1
-            gone = rotation.Placement("deleted", None, None, old.fires, old.last_fire_ms)
-            row = await self.store.put_schedule(conn, _next_version(old, gone, old.definition))
-            reply = {"ok": True, "schedule": view(row, now)}
-            await self._record(conn, audit, version, reply)
-        shard = self.index.shard_of(namespace, schedule_id)
-        member = keys.member(namespace, schedule_id)
-        await self._write_index(lambda: self.index.remove({shard: [(member, version)]}))
-        return reply
-
-    async def pause(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
-        return await self._change_state(namespace, schedule_id, audit, paused=True)
-
-    async def resume(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
-        return await self._change_state(namespace, schedule_id, audit, paused=False)
-
-    async def _change_state(
-        self, namespace: str, schedule_id: str, audit: CommandAudit, *, paused: bool
-    ) -> dict[str, Any]:
-        now = self.now_ms()
-        async with self.store.transaction() as conn:
-            old = await self._existing(conn, namespace, schedule_id)
-            if old.state == "completed" or (old.state == "paused") == paused:
-                # Already where the command asks it to be: nothing changes, no new version.
-                unchanged = {"ok": True, "unchanged": True, "schedule": view(old, now)}
-                await self._record(conn, audit, old.version, unchanged)
-                return unchanged
-            version = old.version + 1
-            plan = dataclasses.replace(compact.decode(old.compact), version=version)
-            current = _current_of(old)
-            placement = (
-                rotation.place_pause(current) if paused else rotation.place_resume(current, now)
-            )
-            row = await self.store.put_schedule(
-                conn, _next_version(old, placement, {**old.definition, "paused": paused})
-            )
-            reply = {"ok": True, "schedule": view(row, now)}
-            await self._record(conn, audit, version, reply)
-        await self._index(namespace, schedule_id, plan, placement)
-        return reply
 
     async def trigger(
         self, namespace: str, schedule_id: str, audit: CommandAudit
@@ -774,26 +688,6 @@ class Intake:
             await transient.retry(write, what="index write", stopping=self.stopping)
         except transient.Stopped:
             log.warning("index write left to drift repair", extra={"action": "index_deferred"})
-
-
-def _next_version(
-    old: ScheduleRow, placement: rotation.Placement, definition: dict[str, Any]
-) -> NewScheduleRow:
-    """The row of ``old`` at its next version, where ``placement`` puts it."""
-    version = old.version + 1
-    return NewScheduleRow(
-        old.namespace,
-        old.id,
-        version,
-        placement.state,
-        definition,
-        compact.with_version(old.compact, version),
-        old.priority,
-        old.labels,
-        placement.fires,
-        placement.last_fire_ms,
-        placement.next_nominal,
-    )
 
 
 def _current_of(row: ScheduleRow) -> rotation.Current:

@@ -40,3 +40,41 @@ def test_items_apply_in_order_and_a_conflict_refuses_only_itself() -> None:
     write, version = effect.index_writes[("ns", "a")]
     assert write is not None and version == 2
     assert second["schedule"]["updated_at"] == timefmt.format_ms(NOW + 5)
+
+
+def test_pause_resume_and_delete_apply_in_order_with_upserts() -> None:
+    effect = batch.apply_upserts(
+        [
+            item("a", 60),
+            batch.ChangeItem("ns", "a", "pause"),
+            batch.ChangeItem("ns", "a", "pause"),
+            batch.ChangeItem("ns", "a", "resume"),
+            batch.ChangeItem("ns", "a", "delete"),
+            batch.ChangeItem("ns", "a", "resume"),
+            batch.ChangeItem("ns", "b", "delete"),
+        ],
+        {},
+        NOW,
+        NOW,
+    )
+    _, paused, unchanged, resumed, deleted, after_delete, missing = effect.results
+    assert isinstance(paused, dict) and paused["schedule"]["state"] == "paused"
+    assert isinstance(unchanged, dict) and unchanged["unchanged"] is True
+    assert unchanged["schedule"]["version"] == 2
+    assert isinstance(resumed, dict) and resumed["schedule"]["state"] == "active"
+    assert isinstance(deleted, dict) and deleted["schedule"]["version"] == 4
+    assert isinstance(after_delete, ValidationFailed) and after_delete.code == "not_found"
+    assert isinstance(missing, ValidationFailed) and missing.code == "not_found"
+    assert effect.rows[("ns", "a")].state == "deleted"
+    assert effect.index_writes[("ns", "a")] == (None, 4)  # removed from the index
+
+
+def test_a_message_id_replays_the_same_command_and_refuses_another() -> None:
+    first = batch.ChangeItem("ns", "a", "pause", message_id="m", body={"id": "a"})
+    again = batch.ChangeItem("ns", "a", "pause", message_id="m", body={"id": "a"})
+    other = batch.ChangeItem("ns", "a", "resume", message_id="m", body={"id": "a"})
+    effect = batch.apply_upserts([item("a", 60), first, again, other], {}, NOW, NOW)
+    _, paused, replay, conflict = effect.results
+    assert isinstance(paused, dict) and isinstance(replay, dict)
+    assert replay == {**paused, "duplicate": True}
+    assert isinstance(conflict, ValidationFailed) and conflict.code == "conflict"
