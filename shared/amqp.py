@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import aio_pika
+import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
 
 from shared import keys
@@ -16,6 +17,9 @@ log = logging.getLogger(__name__)
 #: A delivery message redelivered more often than this is poison: it goes to the DLQ, where
 #: the executors settle its occurrences as dead (see ``Executor.settle_dead_letter``).
 DELIVERY_LIMIT = 20
+#: A command delivered this often without being answered (its consumer died each time) goes to
+#: the commands' dead-letter queue instead of being tried again.
+COMMAND_DELIVERY_LIMIT = 5
 DELIVERIES_ROUTING_KEY = "deliver"
 #: How soon a lost connection is tried again (aio-pika's default is 5 s).
 RECONNECT_INTERVAL_S = 1.0
@@ -64,8 +68,37 @@ async def commands_queue_of(channel: AbstractChannel) -> AbstractQueue:
     return await channel.declare_queue(
         keys.COMMANDS_QUEUE,
         durable=True,
-        arguments=keys.quorum_queue_arguments(keys.COMMANDS_QUEUE),
+        arguments=await _commands_queue_arguments(channel),
     )
+
+
+async def _commands_queue_arguments(channel: AbstractChannel) -> dict[str, Any]:
+    """The commands queue's arguments: with a delivery limit, unless the queue already exists
+    without one.
+
+    A queue's arguments cannot change once declared (the broker answers PRECONDITION_FAILED),
+    so an install from before the limit keeps its queue as it is, and the operator adds the
+    limit with a policy (README, "Upgrading"). The intake enforces the same limit itself from
+    the ``x-delivery-count`` header either way. The probe runs on a channel of its own, since
+    the refusal closes the channel it happens on.
+    """
+    limited = keys.quorum_queue_arguments(
+        keys.COMMANDS_QUEUE, delivery_limit=COMMAND_DELIVERY_LIMIT
+    )
+    underlay = await channel.get_underlay_channel()
+    probe = await underlay.connection.channel()
+    try:
+        await probe.queue_declare(keys.COMMANDS_QUEUE, durable=True, arguments=limited)
+    except aiormq.exceptions.ChannelPreconditionFailed:
+        log.warning(
+            "the commands queue has no delivery limit; add one with a policy (README, Upgrading)",
+            extra={"action": "commands_queue_without_limit"},
+        )
+        return keys.quorum_queue_arguments(keys.COMMANDS_QUEUE)
+    finally:
+        if not probe.is_closed:
+            await probe.close()
+    return limited
 
 
 async def deliveries_queue_of(channel: AbstractChannel) -> AbstractQueue:
