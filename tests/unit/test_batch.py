@@ -14,7 +14,7 @@ def item(schedule_id: str, every_s: int, expected: int | None = None) -> batch.U
         {
             "id": schedule_id,
             "spec": {"kind": "interval", "every_s": every_s},
-            "target": {"kind": "webhook", "url": "http://127.0.0.1:9/h"},
+            "target": {"kind": "webhook", "url": "http://billing.example:9/h"},
         }
     )
     plan = validation.check_schedule(schedule, 0, NOW, validation.TargetPolicy())
