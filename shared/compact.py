@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared import codec
+from shared.exclusion import CronExclusion, Exclusion, RangeExclusion
 from shared.plan import (
     AfterCompletionRule,
     AmqpPlan,
@@ -127,8 +128,22 @@ def encode(plan: Plan) -> bytes:
             misfire.window_ms,
             misfire.limit,
         ]
+    if plan.exclude:
+        out["X"] = [
+            item.expr if isinstance(item, CronExclusion) else [item.from_ms, item.to_ms]
+            for item in plan.exclude
+        ]
+    if plan.pause_after_failures is not None:
+        out["P"] = plan.pause_after_failures
     _encode_target(plan.target, out)
     return codec.dumps(out)
+
+
+def _decode_exclusions(data: dict[str, Any]) -> tuple[Exclusion, ...]:
+    return tuple(
+        CronExclusion(item) if isinstance(item, str) else RangeExclusion(item[0], item[1])
+        for item in data.get("X", ())
+    )
 
 
 _VERSION_PREFIX = b'{"v":'
@@ -173,4 +188,6 @@ def decode_object(data: dict[str, Any]) -> Plan:
         misfire=MisfireRule(_POLICY_NAMES[misfire[0]], misfire[1], misfire[2], misfire[3])
         if misfire
         else _DEFAULT_MISFIRE,
+        exclude=_decode_exclusions(data),
+        pause_after_failures=data.get("P"),
     )

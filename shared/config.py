@@ -101,6 +101,8 @@ class ExecutorSettings(CommonSettings):
     audit_buffer_max: int = Field(default=200_000, ge=1000)
     #: Which outcomes go to cronbus.events: all, failures (failed, dead) or none.
     events: Literal["all", "failures", "none"] = "all"
+    #: Namespaces that get their own label in per-namespace metrics; the rest are 'other'.
+    metrics_max_namespaces: int = Field(default=100, ge=0, le=10_000)
 
 
 class SweeperSettings(CommonSettings):

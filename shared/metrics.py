@@ -77,6 +77,40 @@ AUDIT_BUFFERED = Gauge(
 )
 AUDIT_WRITTEN = Counter("cronbus_audit_rows_written_total", "Execution rows written.")
 EVENTS = Counter("cronbus_events_total", "Events published to cronbus.events.", ["outcome"])
+NAMESPACE_OUTCOMES = Counter(
+    "cronbus_namespace_outcomes_total",
+    "Occurrence outcomes per namespace: succeeded, failed (an attempt), dead, skipped, "
+    "excluded. Namespaces past CRONBUS_METRICS_MAX_NAMESPACES count as 'other'.",
+    ["namespace", "outcome"],
+)
+AUTO_PAUSED = Counter(
+    "cronbus_auto_paused_total",
+    "Schedules paused by pause_after_failures, per namespace (bounded as above).",
+    ["namespace"],
+)
+
+
+class NamespaceLabels:
+    """Bounded label values for namespaces: the first ``limit`` namespaces seen keep their
+    name, the rest are 'other', so a tenant creating namespaces cannot blow up the series."""
+
+    OTHER = "other"
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.named: set[str] = set()
+
+    def __call__(self, namespace: str) -> str:
+        if namespace in self.named:
+            return namespace
+        if len(self.named) < self.limit and namespace != self.OTHER:
+            self.named.add(namespace)
+            return namespace
+        return self.OTHER
+
+
+#: Set from CRONBUS_METRICS_MAX_NAMESPACES when the executor starts.
+NAMESPACES = NamespaceLabels(100)
 
 # --- sweeper ------------------------------------------------------------------------------
 RECLAIMED = Counter("cronbus_reclaimed_total", "Expired leases put back into due.")
@@ -134,6 +168,8 @@ OWNERS: dict[str, tuple[object, ...]] = {
         AUDIT_BUFFERED,
         AUDIT_WRITTEN,
         EVENTS,
+        NAMESPACE_OUTCOMES,
+        AUTO_PAUSED,
         DEAD_LETTERED,
         DEPENDENCY_UP,
     ),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import zoneinfo
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -19,8 +19,10 @@ from pydantic import (
     Field,
     JsonValue,
     PlainSerializer,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -41,6 +43,7 @@ MAX_LABELS = 64
 MAX_LABEL_VALUE = 256
 MAX_HEADERS = 64
 MAX_HEADER_VALUE = 4096
+MAX_EXCLUSIONS = 100
 VERBS = ("upsert", "delete", "pause", "resume", "trigger", "get", "list")
 
 
@@ -70,6 +73,47 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class Exclusion(Strict):
+    """One ``spec.exclude`` entry: ``{"cron": expr}`` or ``{"from": t, "to": t}``."""
+
+    #: Matched against the occurrence's local time in the schedule's zone (UTC without one).
+    cron: str | None = Field(default=None, min_length=1, max_length=256)
+    #: Start of an excluded range (inclusive).
+    from_: Instant | None = Field(default=None, alias="from")
+    #: End of an excluded range (exclusive).
+    to: Instant | None = None
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, populate_by_name=False, serialize_by_alias=True
+    )
+
+    @model_serializer(mode="wrap")
+    def _only_the_given_form(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped: dict[str, Any] = handler(self)
+        return {name: value for name, value in dumped.items() if value is not None}
+
+    @field_validator("cron")
+    @classmethod
+    def _cron_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                cron.parse(value)
+            except cron.CronError as exc:
+                raise ValueError(exc.reason) from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Exclusion:
+        ranged = self.from_ is not None or self.to is not None
+        if self.cron is not None and ranged:
+            raise ValueError('give either "cron" or "from" and "to", not both')
+        if self.cron is None and (self.from_ is None or self.to is None):
+            raise ValueError('needs "cron", or both "from" and "to"')
+        if self.from_ is not None and self.to is not None and self.to <= self.from_:
+            raise ValueError('"to" must be after "from"')
+        return self
+
+
 class SpecCommon(Strict):
     #: No fire before this instant (an interval's grid is anchored here).
     start_at: Instant | None = None
@@ -77,6 +121,8 @@ class SpecCommon(Strict):
     end_at: Instant | None = None
     #: Stop after this many regular fires.
     max_fires: int | None = Field(default=None, ge=1)
+    #: Nominal times that are not delivered (holidays, maintenance windows).
+    exclude: list[Exclusion] = Field(default_factory=list, max_length=MAX_EXCLUSIONS)
 
     @model_validator(mode="after")
     def _window_is_ordered(self) -> SpecCommon:
@@ -272,6 +318,8 @@ class Schedule(Strict):
     #: Create (or keep) the schedule paused.
     paused: bool = False
     labels: dict[str, str] = Field(default_factory=dict)
+    #: Pause the schedule after this many consecutive occurrences ended dead (none: never).
+    pause_after_failures: int | None = Field(default=None, ge=1, le=1000)
 
     # Fields that replies show but cronbus assigns.
     version: ReadOnly = None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shared import codec, models, timefmt
+from shared.exclusion import CronExclusion, Exclusion, RangeExclusion
 
 RuleKind = Literal["cron", "interval", "after_completion", "once"]
 MisfirePolicy = Literal["skip", "fire_once", "fire_all"]
@@ -92,6 +93,10 @@ class Plan:
     jitter_ms: int = 0
     retry: RetryRule = RetryRule()
     misfire: MisfireRule = MisfireRule()
+    #: Nominal times the rotation skips (``spec.exclude``).
+    exclude: tuple[Exclusion, ...] = ()
+    #: Pause the schedule after this many consecutive occurrences ended dead (None: never).
+    pause_after_failures: int | None = None
 
 
 def seconds_to_ms(seconds: float) -> int:
@@ -139,6 +144,18 @@ def _misfire_of(
     return MisfireRule(misfire.policy, grace_ms)
 
 
+def _exclusions_of(entries: list[models.Exclusion]) -> tuple[Exclusion, ...]:
+    return tuple(
+        CronExclusion(entry.cron)
+        if entry.cron is not None
+        else RangeExclusion(
+            timefmt.datetime_to_ms(entry.from_) if entry.from_ else 0,
+            timefmt.datetime_to_ms(entry.to) if entry.to else 0,
+        )
+        for entry in entries
+    )
+
+
 def plan_of(schedule: models.Schedule, version: int) -> Plan:
     """The runtime form of a validated schedule at ``version``."""
     spec = schedule.spec
@@ -159,15 +176,18 @@ def plan_of(schedule: models.Schedule, version: int) -> Plan:
             full_jitter=retry.full_jitter,
         ),
         misfire=_misfire_of(schedule.misfire),
+        exclude=_exclusions_of(spec.exclude),
+        pause_after_failures=schedule.pause_after_failures,
     )
 
 
 def same_rotation(a: Plan, b: Plan) -> bool:
     """True when both plans fire at the same nominal times, so a running rotation can be kept."""
-    return (a.rule, a.start_ms, a.end_ms, a.max_fires, a.jitter_ms) == (
+    return (a.rule, a.start_ms, a.end_ms, a.max_fires, a.jitter_ms, a.exclude) == (
         b.rule,
         b.start_ms,
         b.end_ms,
         b.max_fires,
         b.jitter_ms,
+        b.exclude,
     )

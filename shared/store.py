@@ -126,6 +126,8 @@ class ExecutionRow:
     idempotency_key: str
     started_ms: int
     finished_ms: int
+    #: Excluded times (``spec.exclude``) the rotation stepped over after this occurrence.
+    excluded: int = 0
 
 
 @dataclass(slots=True)

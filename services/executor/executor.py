@@ -58,6 +58,13 @@ def _in_order(items: Sequence[tuple[int, object]], codes: dict[int, list[int]]) 
     return ordered
 
 
+def _count_outcome(namespace: str, settlement: Settlement) -> None:
+    label = metrics.NAMESPACES(namespace)
+    metrics.NAMESPACE_OUTCOMES.labels(label, settlement.event).inc()
+    if settlement.row.excluded:
+        metrics.NAMESPACE_OUTCOMES.labels(label, "excluded").inc(settlement.row.excluded)
+
+
 class Executor:
     def __init__(
         self,
@@ -268,6 +275,7 @@ class Executor:
             metrics.STALE.labels("complete").inc()
         if settlement.event == "dead":
             metrics.DEAD.inc()
+        _count_outcome(occ.namespace, settlement)
         self.audit.add(settlement.row, settlement.checkpoint if code else None)
         self._log(occ, settlement)
         await self.events.publish(settlement.event, settlement.row)

@@ -12,7 +12,7 @@ from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.executor import Executor
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import amqp, transient
+from shared import amqp, metrics, transient
 from shared.config import ExecutorSettings
 from shared.service import ServiceBase, Tasks
 
@@ -25,6 +25,7 @@ class ExecutorService(ServiceBase):
     def __init__(self, settings: ExecutorSettings) -> None:
         super().__init__(settings)
         self.settings = settings
+        metrics.NAMESPACES.limit = settings.metrics_max_namespaces
         self.consuming = False
         self._messages: set[asyncio.Task[None]] = set()
 

@@ -57,19 +57,32 @@ def _rotate(
 
 
 def next_nominal_after(occ: Occurrence, fires: int, finished_ms: int, now_ms: int) -> int | None:
+    return next_nominal_counted(occ, fires, finished_ms, now_ms)[0]
+
+
+def next_nominal_counted(
+    occ: Occurrence, fires: int, finished_ms: int, now_ms: int
+) -> tuple[int | None, int]:
+    """The schedule's next occurrence after ``occ``, and how many excluded times
+    (``spec.exclude``) the rotation stepped over to reach it."""
     plan = occ.plan
     if schedule.is_exhausted(plan, fires):
-        return None
-    candidate = schedule.following(plan, occ.nominal_ms, finished_ms)
-    return schedule.resolve_due(plan, candidate, now_ms)
+        return None, 0
+    candidate, excluded = schedule.following_counted(plan, occ.nominal_ms, finished_ms)
+    return schedule.resolve_due(plan, candidate, now_ms), excluded
 
 
-def finish(occ: Occurrence, finished_ms: int, now_ms: int) -> tuple[Completion, Checkpoint | None]:
-    """The completion of a finished occurrence (succeeded, or dead after its last attempt)."""
+def finish(
+    occ: Occurrence, finished_ms: int, now_ms: int
+) -> tuple[Completion, Checkpoint | None, int]:
+    """The completion of a finished occurrence (succeeded, or dead after its last attempt),
+    and how many excluded times the rotation stepped over."""
     if occ.is_trigger:
-        return Completion(occ.member, occ.token, None, ""), None
+        return Completion(occ.member, occ.token, None, ""), None, 0
     fires = occ.fires + 1
-    return _rotate(occ, next_nominal_after(occ, fires, finished_ms, now_ms), fires, occ.nominal_ms)
+    chosen, excluded = next_nominal_counted(occ, fires, finished_ms, now_ms)
+    completion, checkpoint = _rotate(occ, chosen, fires, occ.nominal_ms)
+    return completion, checkpoint, excluded
 
 
 def row_of(
@@ -113,15 +126,11 @@ def settle(
             None,
             "failed",
         )
-    completion, checkpoint = finish(occ, finished_ms, now_ms)
+    completion, checkpoint, excluded = finish(occ, finished_ms, now_ms)
     status: EventKind = "succeeded" if outcome.ok else "dead"
-    return Settlement(
-        completion,
-        None,
-        row_of(occ, key, status, outcome, started_ms, finished_ms),
-        checkpoint,
-        status,
-    )
+    row = row_of(occ, key, status, outcome, started_ms, finished_ms)
+    row.excluded = excluded
+    return Settlement(completion, None, row, checkpoint, status)
 
 
 def missed_choice(occ: Occurrence, now_ms: int) -> int | None:
