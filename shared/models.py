@@ -299,6 +299,8 @@ READ_ONLY_REASONS = {
     "fires": "is read-only",
     "created_at": "is read-only",
     "updated_at": "is read-only",
+    "stats": "is read-only",
+    "paused_reason": "is read-only; pause_after_failures sets it, resume clears it",
 }
 ReadOnly = Annotated[None, Field(exclude=True)]
 
@@ -330,6 +332,8 @@ class Schedule(Strict):
     fires: ReadOnly = None
     created_at: ReadOnly = None
     updated_at: ReadOnly = None
+    stats: ReadOnly = None
+    paused_reason: ReadOnly = None
 
     @field_validator(
         "version",
@@ -340,6 +344,8 @@ class Schedule(Strict):
         "fires",
         "created_at",
         "updated_at",
+        "stats",
+        "paused_reason",
         mode="plain",
     )
     @classmethod

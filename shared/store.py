@@ -346,6 +346,32 @@ class Store:
             [c.finished for c in batch],
         )
 
+    async def write_stats(self, deltas: Sequence[Any]) -> None:
+        """Per-schedule stats deltas (``shared.stats.Delta``), one statement for the batch."""
+        await self.pool.execute(
+            QUERIES["write_stats"],
+            [d.namespace for d in deltas],
+            [d.id for d in deltas],
+            [d.fires for d in deltas],
+            [d.succeeded for d in deltas],
+            [d.failed for d in deltas],
+            [d.dead for d in deltas],
+            [d.skipped for d in deltas],
+            [d.excluded for d in deltas],
+            [d.trailing_dead for d in deltas],
+            [d.last_status for d in deltas],
+            [d.last_error for d in deltas],
+            [d.last_ms for d in deltas],
+        )
+
+    async def schedule_stats(self, namespace: str, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """id -> its ``schedule_stats`` row, for the given schedules of a namespace."""
+        records = await self.pool.fetch(QUERIES["schedule_stats"], namespace, list(ids))
+        return {record["id"]: dict(record) for record in records}
+
+    async def reset_stats(self, conn: Connection, namespace: str, schedule_id: str) -> None:
+        await conn.execute(QUERIES["reset_stats"], namespace, schedule_id)
+
     async def recent_executions(
         self, namespace: str, schedule_id: str, limit: int
     ) -> list[dict[str, Any]]:

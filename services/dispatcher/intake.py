@@ -30,6 +30,7 @@ from shared import (
     models,
     rotation,
     schedule,
+    stats,
     timefmt,
     transient,
     validation,
@@ -344,6 +345,8 @@ class Intake:
             version = (old.version if old is not None else 0) + 1
             plan = dataclasses.replace(checked, version=version)
             current = _current_of(old) if live and old is not None else None
+            if not live:
+                await self.store.reset_stats(conn, namespace, item.id)
             placement = rotation.place_upsert(current, plan, item.paused, now)
             row = await self.store.put_schedule(
                 conn,
@@ -446,7 +449,15 @@ class Intake:
         row = await self.store.get_schedule(namespace, schedule_id)
         if row is None or row.state == "deleted":
             raise not_found(namespace, schedule_id)
-        return {"ok": True, "schedule": view(row, self.now_ms())}
+        shown = await self._with_stats(namespace, [view(row, self.now_ms())])
+        return {"ok": True, "schedule": shown[0]}
+
+    async def _with_stats(
+        self, namespace: str, shown: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Views with their ``stats`` and ``paused_reason`` (one query for all of them)."""
+        records = await self.store.schedule_stats(namespace, [item["id"] for item in shown])
+        return [stats.decorate(item, records.get(item["id"])) for item in shown]
 
     async def list(self, namespace: str, command: models.ListCommand) -> dict[str, Any]:
         rows = await self.store.list_schedules(
@@ -460,7 +471,7 @@ class Intake:
         next_cursor = encode_cursor(rows[-1].id) if len(rows) == command.limit else None
         return {
             "ok": True,
-            "schedules": [view(row, now) for row in rows],
+            "schedules": await self._with_stats(namespace, [view(row, now) for row in rows]),
             "next_cursor": next_cursor,
         }
 
