@@ -249,6 +249,15 @@ class Index:
         replies = await self._pipeline(calls)
         return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
 
+    async def count_failures(self, items: dict[int, list[tuple[str, str]]]) -> dict[int, list[int]]:
+        """Per shard, (member, 'dead' | 'clear') -> consecutive dead occurrences after the call."""
+        calls = [
+            ("failures", [self.keys.fails(s)], [v for item in batch for v in item])
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
     async def release(
         self, items: dict[int, list[tuple[str, int]]], now_ms: int | None = None
     ) -> dict[int, list[int]]:

@@ -62,6 +62,10 @@ class RedisKeys:
         """HASH member -> current occurrence ``nominal|attempt|token|fires``."""
         return f"{self.prefix}:{{{shard}}}:occ"
 
+    def fails(self, shard: int) -> str:
+        """HASH ``ns/id`` -> consecutive occurrences ended dead (pause_after_failures only)."""
+        return f"{self.prefix}:{{{shard}}}:fails"
+
     def seq(self, shard: int) -> str:
         """STRING counter that mints fencing tokens."""
         return f"{self.prefix}:{{{shard}}}:seq"

@@ -372,6 +372,11 @@ class Store:
     async def reset_stats(self, conn: Connection, namespace: str, schedule_id: str) -> None:
         await conn.execute(QUERIES["reset_stats"], namespace, schedule_id)
 
+    async def mark_paused_for_failures(
+        self, conn: Connection, namespace: str, schedule_id: str, version: int
+    ) -> None:
+        await conn.execute(QUERIES["mark_paused_for_failures"], namespace, schedule_id, version)
+
     async def recent_executions(
         self, namespace: str, schedule_id: str, limit: int
     ) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from services.executor import settle
 from services.executor.audit import AuditWriter
+from services.executor.autopause import AutoPause
 from services.executor.events import Events
 from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
@@ -88,6 +89,7 @@ class Executor:
         self.rng = random.Random()
         self.slots = asyncio.Semaphore(settings.concurrency)
         self.lease_ms = round(settings.lease_s * 1000)
+        self.autopause = AutoPause(index, audit.store, events, stopping, settings.complete_flush_ms)
         #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
         self._holding: dict[tuple[int, str], int] = {}
         self._complete = Batcher(
@@ -279,6 +281,8 @@ class Executor:
         self.audit.add(settlement.row, settlement.checkpoint if code else None)
         self._log(occ, settlement)
         await self.events.publish(settlement.event, settlement.row)
+        if code:
+            await self.autopause.record(occ, settlement.event)
 
     def _log(self, occ: Occurrence, settlement: Settlement) -> None:
         if settlement.event == "succeeded" and not log.isEnabledFor(logging.DEBUG):
@@ -321,3 +325,4 @@ class Executor:
     async def drain(self) -> None:
         for batcher in (self._complete, self._retry):
             await batcher.drain()
+        await self.autopause.drain()

@@ -192,3 +192,9 @@ WHERE namespace = $1 AND id = ANY($2::text[]);
 -- reset_stats --
 -- A schedule created anew (or again after a delete) starts with empty stats.
 DELETE FROM schedule_stats WHERE namespace = $1 AND id = $2;
+
+-- mark_paused_for_failures --
+-- The version pause_after_failures paused (get and list show paused_reason "failures").
+INSERT INTO schedule_stats AS s (namespace, id, paused_version)
+VALUES ($1, $2, $3)
+ON CONFLICT (namespace, id) DO UPDATE SET paused_version = EXCLUDED.paused_version;

@@ -14,7 +14,8 @@ from typing import Any
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import timefmt
+from shared import codec, timefmt
+from tests.e2e.test_firing import events_queue
 from tests.support.stack import Stack
 
 TWO_EXECUTORS = ("dispatcher", "executor", "executor")
@@ -139,3 +140,63 @@ async def test_stats_count_each_outcome_and_cronbus_get_shows_them(
     printed = cli(amqp_url, "get", "flaky", "-n", "acme")
     assert printed.returncode == 0, printed.stderr
     assert '"stats":' in printed.stdout and '"dead":1' in printed.stdout, printed.stdout
+
+
+def metric_sum(text: str, name: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+async def test_consecutive_dead_occurrences_pause_the_schedule_until_resumed(
+    stack: Stack, sink: Sink, client: CommandClient, amqp_url: str
+) -> None:
+    healthy = [False]
+    sink.respond = lambda _: 200 if healthy[0] else 503
+    await stack.start_all(TWO_EXECUTORS)
+    async with events_queue(amqp_url, "acme.paused") as events:
+        reply = await client.send(
+            "acme",
+            "upsert",
+            {
+                "schedule": {
+                    "id": "hammer",
+                    "spec": {"kind": "interval", "every_s": 1},
+                    "target": webhook(sink),
+                    "retry": {"max_attempts": 1},
+                    "pause_after_failures": 3,
+                }
+            },
+        )
+        assert reply["ok"], reply
+        assert reply["schedule"]["pause_after_failures"] == 3
+        event = await events.get(within_s=20)
+        assert event is not None, stack.tails()
+        body = codec.loads(event.body)
+        assert body["outcome"] == "paused" and body["reason"] == "failures"
+        assert body["id"] == "hammer" and body["consecutive_failures"] >= 3
+
+    shown = await get_until(client, "acme", "hammer", lambda s: s["state"] == "paused")
+    assert shown["state"] == "paused" and shown["paused_reason"] == "failures", shown
+    assert shown["next_fires"] == []
+    # Out of rotation for real: nothing more reaches the target.
+    await asyncio.sleep(1.5)
+    delivered = len(sink.received)
+    assert delivered == 3, [r.fire_time for r in sink.received]
+    await asyncio.sleep(2.5)
+    assert len(sink.received) == delivered
+    scraped = [
+        (await asyncio.to_thread(proc.get, "/metrics"))[1] for proc in stack.running("executor")
+    ]
+    assert sum(metric_sum(text, "cronbus_auto_paused_total") for text in scraped) == 1
+
+    healthy[0] = True
+    resumed = await client.send("acme", "resume", {"id": "hammer"})
+    assert resumed["ok"], resumed
+    assert resumed["schedule"]["state"] == "active"
+    assert await sink.wait_for(lambda s: len(s.received) >= delivered + 2, timeout_s=10)
+    after = await get_until(client, "acme", "hammer", lambda s: s["stats"]["succeeded"] >= 2)
+    assert after["paused_reason"] is None and after["state"] == "active"
+    assert after["stats"]["dead"] == 3 and after["stats"]["consecutive_failures"] == 0

@@ -303,3 +303,13 @@ async def test_release_hands_back_an_unpublished_claim(index: Index) -> None:
     assert state["due"] == [(b"ns/p", float(NOW + 3))] and state["lease"] == []
     [again] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW + 3)
     assert [(c.attempt, c.nominal_ms) for c in again.claimed] == [(1, NOW - 1)]
+
+
+async def test_failures_counts_consecutive_dead_and_clears(index: Index) -> None:
+    counts = await index.count_failures({0: [("ns/a", "dead"), ("ns/a", "dead"), ("ns/b", "dead")]})
+    assert counts == {0: [1, 2, 1]}
+    counts = await index.count_failures(
+        {0: [("ns/a", "clear"), ("ns/a", "dead")], 1: [("ns/c", "dead")]}
+    )
+    assert counts == {0: [0, 1], 1: [1]}
+    assert await index.client.hgetall(index.keys.fails(0)) == {b"ns/a": b"1", b"ns/b": b"1"}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import stats
+from shared import stats, validation
+from shared.errors import ValidationFailed
 from shared.store import ExecutionRow
 
 
@@ -98,3 +100,39 @@ def test_paused_reason_is_failures_only_for_the_version_the_executor_paused() ->
     assert stats.paused_reason("paused", 4, record) == "failures"
     assert stats.paused_reason("paused", 5, record) == "command"
     assert stats.paused_reason("active", 4, record) is None
+
+
+@pytest.mark.parametrize("value", [0, 1001, "3", 2.5])
+def test_pause_after_failures_is_an_integer_from_1_to_1000(value: object) -> None:
+    with pytest.raises(ValidationFailed) as caught:
+        validation.parse_command(
+            "upsert",
+            {
+                "schedule": {
+                    "id": "x",
+                    "spec": {"kind": "interval", "every_s": 60},
+                    "target": {"kind": "webhook", "url": "http://127.0.0.1:9/"},
+                    "pause_after_failures": value,
+                }
+            },
+        )
+    assert caught.value.code == "invalid_schedule"
+    assert caught.value.details[0]["field"] == "pause_after_failures"
+
+
+@pytest.mark.parametrize("field", ["stats", "paused_reason"])
+def test_what_replies_show_is_refused_in_an_upsert(field: str) -> None:
+    with pytest.raises(ValidationFailed) as caught:
+        validation.parse_command(
+            "upsert",
+            {
+                "schedule": {
+                    "id": "x",
+                    "spec": {"kind": "interval", "every_s": 60},
+                    "target": {"kind": "webhook", "url": "http://127.0.0.1:9/"},
+                    field: None,
+                }
+            },
+        )
+    assert caught.value.details[0]["field"] == field
+    assert "read-only" in caught.value.details[0]["reason"]
