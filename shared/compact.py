@@ -75,12 +75,17 @@ def _encode_target(target: TargetPlan, out: dict[str, Any]) -> None:
         out["B"] = codec.Fragment(target.body)
     if target.timeout_ms != _DEFAULT_TIMEOUT_MS:
         out["T"] = target.timeout_ms
+    if target.rate_key is not None:
+        out["K"] = target.rate_key
+    if target.rate_per_s is not None:
+        out["L"] = [target.rate_per_s, target.rate_burst]
 
 
 def _decode_target(data: dict[str, Any]) -> TargetPlan:
     encoded = codec.dumps(data["B"]) if "B" in data else None
     timeout_ms = data.get("T", _DEFAULT_TIMEOUT_MS)
     headers = tuple(data["H"].items()) if "H" in data else ()
+    per_s, burst = data.get("L", (None, 1))
     if "u" in data:
         codes = data.get("S")
         return WebhookPlan(
@@ -90,6 +95,9 @@ def _decode_target(data: dict[str, Any]) -> TargetPlan:
             body=encoded,
             timeout_ms=timeout_ms,
             success_codes=frozenset(codes) if codes is not None else None,
+            rate_key=data.get("K"),
+            rate_per_s=per_s,
+            rate_burst=burst,
         )
     return AmqpPlan(
         exchange=data["x"],
@@ -97,6 +105,9 @@ def _decode_target(data: dict[str, Any]) -> TargetPlan:
         headers=headers,
         body=encoded,
         timeout_ms=timeout_ms,
+        rate_key=data.get("K"),
+        rate_per_s=per_s,
+        rate_burst=burst,
     )
 
 

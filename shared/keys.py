@@ -66,6 +66,16 @@ class RedisKeys:
         """HASH ``ns/id`` -> consecutive occurrences ended dead (pause_after_failures only)."""
         return f"{self.prefix}:{{{shard}}}:fails"
 
+    def deferred(self, shard: int, member: str) -> str:
+        """STRING nominal ms of an occurrence deferred by a rate key (it is not judged late)."""
+        return f"{self.prefix}:{{{shard}}}:deferred:{member}"
+
+    def rate(self, rate_key: str) -> tuple[str, str, str]:
+        """(tat, hold, breaker) of a namespaced rate key: its GCRA slot, its Retry-After hold
+        and its circuit breaker. All rate keys share one hash tag, so a batch is one call."""
+        base = f"{self.prefix}:{{rate}}:"
+        return (base + "tat:" + rate_key, base + "hold:" + rate_key, base + "brk:" + rate_key)
+
     def seq(self, shard: int) -> str:
         """STRING counter that mints fencing tokens."""
         return f"{self.prefix}:{{{shard}}}:seq"

@@ -89,6 +89,23 @@ AUTO_PAUSED = Counter(
     ["namespace"],
 )
 
+RATE_WAITS = Counter(
+    "cronbus_rate_waits_total",
+    "Deliveries that waited for a reserved slot of their rate limit, per namespace.",
+    ["namespace"],
+)
+RATE_HELD = Counter(
+    "cronbus_rate_held_total",
+    "Occurrences put back into due by their rate key (Retry-After hold, open breaker, or a "
+    "rate limit far ahead), per namespace; their attempt is kept.",
+    ["namespace"],
+)
+BREAKER_TRANSITIONS = Counter(
+    "cronbus_breaker_transitions_total",
+    "Circuit breakers of rate keys opened or closed, per namespace and new state.",
+    ["namespace", "state"],
+)
+
 
 class NamespaceLabels:
     """Bounded label values for namespaces: the first ``limit`` namespaces seen keep their
@@ -170,6 +187,9 @@ OWNERS: dict[str, tuple[object, ...]] = {
         EVENTS,
         NAMESPACE_OUTCOMES,
         AUTO_PAUSED,
+        RATE_WAITS,
+        RATE_HELD,
+        BREAKER_TRANSITIONS,
         DEAD_LETTERED,
         DEPENDENCY_UP,
     ),

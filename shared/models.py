@@ -192,6 +192,24 @@ def _check_headers(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
+class RateLimit(Strict):
+    """``target.rate_limit``: deliveries to the target's rate key, across all executors."""
+
+    #: Sustained deliveries per second.
+    per_s: float = Field(gt=0, le=100_000)
+    #: Deliveries that may go at once after a quiet spell (default: one second's worth).
+    burst: int | None = Field(default=None, ge=1, le=100_000)
+
+
+RATE_KEY_RE = re.compile(r"^[!-~]{1,200}$")
+
+
+def _check_rate_key(value: str | None) -> str | None:
+    if value is not None and not RATE_KEY_RE.match(value):
+        raise ValueError("must be 1-200 printable ASCII characters without spaces")
+    return value
+
+
 class WebhookTarget(Strict):
     kind: Literal["webhook"]
     url: str = Field(min_length=1, max_length=2048)
@@ -202,6 +220,15 @@ class WebhookTarget(Strict):
     timeout_s: float = Field(default=10, gt=0, le=300)
     #: HTTP statuses that count as success; any 2xx when omitted.
     success_codes: list[int] | None = Field(default=None, min_length=1, max_length=100)
+    rate_limit: RateLimit | None = None
+    #: Deliveries sharing a rate key share its limit, Retry-After holds and breaker (within
+    #: the namespace); default scheme://host:port of the URL.
+    rate_key: str | None = None
+
+    @field_validator("rate_key")
+    @classmethod
+    def _rate_key_is_printable(cls, value: str | None) -> str | None:
+        return _check_rate_key(value)
 
     @field_validator("url")
     @classmethod
@@ -235,6 +262,14 @@ class AmqpTarget(Strict):
     body: JsonValue = None
     #: How long to wait for the broker's publisher confirm.
     timeout_s: float = Field(default=10, gt=0, le=300)
+    rate_limit: RateLimit | None = None
+    #: Default: the exchange (``amqp:<exchange>``).
+    rate_key: str | None = None
+
+    @field_validator("rate_key")
+    @classmethod
+    def _rate_key_is_printable(cls, value: str | None) -> str | None:
+        return _check_rate_key(value)
 
     @field_validator("headers")
     @classmethod
@@ -300,6 +335,7 @@ READ_ONLY_REASONS = {
     "created_at": "is read-only",
     "updated_at": "is read-only",
     "stats": "is read-only",
+    "breaker": "is read-only",
     "paused_reason": "is read-only; pause_after_failures sets it, resume clears it",
 }
 ReadOnly = Annotated[None, Field(exclude=True)]
@@ -334,6 +370,7 @@ class Schedule(Strict):
     updated_at: ReadOnly = None
     stats: ReadOnly = None
     paused_reason: ReadOnly = None
+    breaker: ReadOnly = None
 
     @field_validator(
         "version",
@@ -346,6 +383,7 @@ class Schedule(Strict):
         "updated_at",
         "stats",
         "paused_reason",
+        "breaker",
         mode="plain",
     )
     @classmethod

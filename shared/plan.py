@@ -7,6 +7,7 @@ needs: the rule, its bounds, jitter, retry and misfire policies, and the target.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,6 +69,11 @@ class WebhookPlan:
     timeout_ms: int = 10_000
     #: None: any 2xx.
     success_codes: frozenset[int] | None = None
+    #: The user's rate key (None: scheme://host:port of the URL).
+    rate_key: str | None = None
+    #: Deliveries per second allowed to the rate key (None: no limit).
+    rate_per_s: float | None = None
+    rate_burst: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,10 @@ class AmqpPlan:
     headers: tuple[tuple[str, str | int | float | bool], ...] = ()
     body: bytes | None = None
     timeout_ms: int = 10_000
+    #: The user's rate key (None: the exchange).
+    rate_key: str | None = None
+    rate_per_s: float | None = None
+    rate_burst: int = 1
 
 
 TargetPlan = WebhookPlan | AmqpPlan
@@ -115,8 +125,16 @@ def _rule_of(
     return OnceRule(timefmt.datetime_to_ms(spec.at))
 
 
+def _burst_of(limit: models.RateLimit | None) -> int:
+    if limit is None:
+        return 1
+    return limit.burst if limit.burst is not None else max(1, math.ceil(limit.per_s))
+
+
 def _target_of(target: models.WebhookTarget | models.AmqpTarget) -> TargetPlan:
     body = None if target.body is None else codec.dumps(target.body)
+    per_s = target.rate_limit.per_s if target.rate_limit is not None else None
+    burst = _burst_of(target.rate_limit)
     if isinstance(target, models.WebhookTarget):
         return WebhookPlan(
             url=target.url,
@@ -125,6 +143,9 @@ def _target_of(target: models.WebhookTarget | models.AmqpTarget) -> TargetPlan:
             body=body,
             timeout_ms=seconds_to_ms(target.timeout_s),
             success_codes=frozenset(target.success_codes) if target.success_codes else None,
+            rate_key=target.rate_key,
+            rate_per_s=per_s,
+            rate_burst=burst,
         )
     return AmqpPlan(
         exchange=target.exchange,
@@ -132,6 +153,9 @@ def _target_of(target: models.WebhookTarget | models.AmqpTarget) -> TargetPlan:
         headers=tuple(target.headers.items()),
         body=body,
         timeout_ms=seconds_to_ms(target.timeout_s),
+        rate_key=target.rate_key,
+        rate_per_s=per_s,
+        rate_burst=burst,
     )
 
 

@@ -26,6 +26,7 @@ from shared import (
     codec,
     compact,
     keys,
+    limits,
     metrics,
     models,
     rotation,
@@ -450,6 +451,9 @@ class Intake:
         if row is None or row.state == "deleted":
             raise not_found(namespace, schedule_id)
         shown = await self._with_stats(namespace, [view(row, self.now_ms())])
+        key = limits.rate_key(namespace, compact.decode(row.compact).target)
+        fails, open_until, _, hold_until = await self.index.breaker_state(key)
+        shown[0]["breaker"] = limits.breaker_view(key, fails, open_until, hold_until, self.now_ms())
         return {"ok": True, "schedule": shown[0]}
 
     async def _with_stats(

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from services.executor import settle
+from services.executor import limits, settle
 from services.executor.audit import AuditWriter
 from services.executor.autopause import AutoPause
 from services.executor.events import Events
@@ -90,6 +90,9 @@ class Executor:
         self.slots = asyncio.Semaphore(settings.concurrency)
         self.lease_ms = round(settings.lease_s * 1000)
         self.autopause = AutoPause(index, audit.store, events, stopping, settings.complete_flush_ms)
+        self.limits = limits.Limits(
+            index, settings, stopping, self.now_ms, settings.complete_flush_ms
+        )
         #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
         self._holding: dict[tuple[int, str], int] = {}
         self._complete = Batcher(
@@ -200,6 +203,8 @@ class Executor:
         """Deliver and settle one fenced occurrence (waiting out Redis outages)."""
         key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
         chosen = settle.missed_choice(occ, self.now_ms())
+        if chosen != occ.nominal_ms and await self.limits.was_deferred(occ):
+            chosen = occ.nominal_ms  # admitted before a rate key held it: late, not missed
         if chosen != occ.nominal_ms:
             metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
             log.info(
@@ -214,11 +219,33 @@ class Executor:
             )
             await self._settle(occ, settle.skip(occ, key, chosen, self.now_ms()))
             return
-        async with self.slots:
-            outcome, started, finished = await self._deliver(occ, key)
+        delivered = await self._deliver_within_limits(occ, key)
+        if delivered is None:
+            return  # held by its rate key: back in due at the hold's end
+        outcome, started, finished = delivered
         await self._settle(
             occ, settle.settle(occ, key, outcome, started, finished, self.now_ms(), self.rng)
         )
+
+    async def _deliver_within_limits(
+        self, occ: Occurrence, key: str
+    ) -> tuple[Outcome, int, int] | None:
+        """Deliver when the rate key admits it (waiting a reserved slot out without holding a
+        concurrency slot); None when the rate key holds it, and it was put back into due."""
+        admission = await self.limits.admit(occ)
+        if admission.code == limits.HELD:
+            code = await self.limits.defer(occ, admission.ms)
+            self._holding.pop((occ.shard, occ.member), None)
+            if not code:
+                metrics.STALE.labels("defer").inc()
+            return None
+        if admission.code == limits.WAIT:
+            await asyncio.sleep(admission.ms / 1000)
+        async with self.slots:
+            outcome, started, finished = await self._deliver(occ, key)
+        outcome = self.limits.capped(outcome)
+        await self.limits.report(occ, admission, outcome)
+        return outcome, started, finished
 
     async def _deliver(self, occ: Occurrence, key: str) -> tuple[Outcome, int, int]:
         kind = "webhook" if isinstance(occ.plan.target, WebhookPlan) else "amqp"
@@ -326,3 +353,4 @@ class Executor:
         for batcher in (self._complete, self._retry):
             await batcher.drain()
         await self.autopause.drain()
+        await self.limits.drain()

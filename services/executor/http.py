@@ -63,6 +63,8 @@ class Response:
     #: The first KEEP_BODY bytes of the body.
     body: bytes
     keep_alive: bool
+    #: The Retry-After header, if the response had one.
+    retry_after: str | None = None
 
 
 class _Connection(asyncio.Protocol):
@@ -86,6 +88,7 @@ class _Connection(asyncio.Protocol):
         self.body = bytearray()
         self.keep_alive = True
         self.drained = 0
+        self.retry_after: str | None = None
 
     # asyncio callbacks
 
@@ -99,7 +102,7 @@ class _Connection(asyncio.Protocol):
         if waiter is None or waiter.done():
             return
         if self.headers_done and self.framing == "close":
-            waiter.set_result(Response(self.status, bytes(self.body), False))
+            waiter.set_result(Response(self.status, bytes(self.body), False, self.retry_after))
         else:
             waiter.set_exception(HttpError(f"connection closed: {exc or 'by the server'}"))
 
@@ -139,7 +142,9 @@ class _Connection(asyncio.Protocol):
         if self.buffer:
             self.keep_alive = False  # bytes beyond the response: do not reuse
         if not self.waiter.done():
-            self.waiter.set_result(Response(self.status, bytes(self.body), self.keep_alive))
+            self.waiter.set_result(
+                Response(self.status, bytes(self.body), self.keep_alive, self.retry_after)
+            )
 
     # parsing
 
@@ -177,6 +182,8 @@ class _Connection(asyncio.Protocol):
             name, _, value = line.partition(b":")
             headers[name.strip().lower()] = value.strip()
         self.headers_done = True
+        retry_after = headers.get(b"retry-after")
+        self.retry_after = retry_after.decode("latin-1") if retry_after is not None else None
         self._choose_framing(parts[0], status, headers)
         return True
 

@@ -24,6 +24,8 @@ class Outcome:
     ok: bool
     http_status: int | None = None
     error: str | None = None
+    #: A 429 or 503 answered with Retry-After: how long it asked to wait (ms).
+    retry_after_ms: int | None = None
 
 
 @dataclass(slots=True)
@@ -118,7 +120,8 @@ def settle(
     rng: random.Random,
 ) -> Settlement:
     if not outcome.ok and backoff.attempts_left(occ.plan.retry, occ.attempt):
-        delay = backoff.delay_ms(occ.plan.retry, occ.attempt, rng)
+        # A target that said when to come back is not asked sooner.
+        delay = max(backoff.delay_ms(occ.plan.retry, occ.attempt, rng), outcome.retry_after_ms or 0)
         return Settlement(
             None,
             delay,

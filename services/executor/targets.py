@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
 from services.executor.http import HttpClient, HttpError
 from services.executor.settle import Outcome
-from shared import timefmt
+from shared import limits, timefmt
 from shared.delivery import Occurrence
 from shared.plan import AmqpPlan, WebhookPlan
 
@@ -57,7 +58,19 @@ class Webhooks:
         if _succeeded(status, target.success_codes):
             return Outcome(True, status)
         text = response.body.decode("utf-8", "replace").strip()
-        return Outcome(False, status, f"HTTP {status}" + (f": {text}" if text else ""))
+        return Outcome(
+            False,
+            status,
+            f"HTTP {status}" + (f": {text}" if text else ""),
+            _retry_after_ms(status, response.retry_after),
+        )
+
+
+def _retry_after_ms(status: int, value: str | None) -> int | None:
+    """What a 429 or 503 asks with Retry-After (capped by the executor's limits)."""
+    if status not in limits.BACKPRESSURE_STATUSES:
+        return None
+    return limits.retry_after_ms(value, int(time.time() * 1000), limits.MAX_RETRY_AFTER_MS)
 
 
 def _succeeded(status: int, codes: frozenset[int] | None) -> bool:

@@ -200,3 +200,145 @@ async def test_consecutive_dead_occurrences_pause_the_schedule_until_resumed(
     after = await get_until(client, "acme", "hammer", lambda s: s["stats"]["succeeded"] >= 2)
     assert after["paused_reason"] is None and after["state"] == "active"
     assert after["stats"]["dead"] == 3 and after["stats"]["consecutive_failures"] == 0
+
+
+def worst_window(arrivals_ms: list[float], window_ms: float) -> int:
+    """Most arrivals in any window of ``window_ms`` (each window starts at an arrival)."""
+    ordered = sorted(arrivals_ms)
+    worst, start = 0, 0
+    for end, at in enumerate(ordered):
+        while at - ordered[start] >= window_ms:
+            start += 1
+        worst = max(worst, end - start + 1)
+    return worst
+
+
+async def test_a_rate_limit_holds_across_two_executors_and_drops_nothing(
+    stack: Stack, sink: Sink, client: CommandClient
+) -> None:
+    await stack.start_all(TWO_EXECUTORS)
+    count, per_s, burst = 60, 5, 5
+    start_ms = (int(time.time()) + 4) * 1000
+    schedules = [
+        {
+            "id": f"r{i}",
+            # All due at once; `skip` would drop any that is judged late a second time.
+            "spec": {"kind": "interval", "every_s": 3600, "start_at": timefmt.format_ms(start_ms)},
+            "misfire": {"policy": "skip"},
+            "target": webhook(sink, rate_limit={"per_s": per_s, "burst": burst}),
+        }
+        for i in range(count)
+    ]
+    reply = await client.send("acme", "upsert_many", {"schedules": schedules})
+    if not reply.get("ok"):  # before the bulk verb lands: one upsert each
+        for item in schedules:
+            single = await client.send("acme", "upsert", {"schedule": item})
+            assert single["ok"], single
+    assert await sink.wait_for(lambda s: len(s.received) >= count, timeout_s=40), stack.tails()
+    await asyncio.sleep(1)
+    arrivals = [r.at_ms for r in sink.received]
+    assert len(arrivals) == count
+    assert {r.schedule for r in sink.received} == {f"acme/r{i}" for i in range(count)}
+    assert {r.fire_time for r in sink.received} == {timefmt.format_ms(start_ms)}
+    worst = worst_window(arrivals, 5000)
+    print(f"rate limit {per_s}/s burst {burst}: worst 5 s window {worst} deliveries")
+    assert worst <= burst + 5 * per_s + 1, worst
+    drain_s = (max(arrivals) - min(arrivals)) / 1000
+    assert drain_s >= (count - burst) / per_s - 1.5, drain_s
+
+
+async def test_retry_after_delays_the_attempt_and_holds_the_rate_key(
+    stack: Stack, sink: Sink, client: CommandClient
+) -> None:
+    asked_s = 3
+    answered = {"/slow": 0}
+
+    def respond(request: Any) -> int:
+        if request.path == "/slow":
+            answered["/slow"] += 1
+            return 429 if answered["/slow"] == 1 else 200
+        return 200
+
+    sink.respond = respond
+    sink.headers_by_status = {429: {"Retry-After": str(asked_s)}}
+    await stack.start_all(TWO_EXECUTORS)
+    for schedule_id, path in (("slow", "/slow"), ("neighbour", "/other")):
+        reply = await client.send(
+            "acme",
+            "upsert",
+            {
+                "schedule": {
+                    "id": schedule_id,
+                    "spec": {"kind": "interval", "every_s": 1},
+                    "target": webhook(sink, path),
+                    "retry": {"max_attempts": 3, "initial_backoff_s": 0.1, "full_jitter": False},
+                }
+            },
+        )
+        assert reply["ok"], reply
+    assert await sink.wait_for(
+        lambda s: sum(r.path == "/slow" for r in s.received) >= 2, timeout_s=20
+    ), stack.tails()
+    slow = [r for r in sink.received if r.path == "/slow"]
+    refused_at, retried = slow[0].at_ms, slow[1]
+    assert retried.attempt == 2 and retried.fire_time == slow[0].fire_time
+    delay_s = (retried.at_ms - refused_at) / 1000
+    print(f"Retry-After {asked_s} s: next attempt after {delay_s:.2f} s")
+    assert asked_s <= delay_s < asked_s + 1.5, delay_s
+    # The neighbour shares the rate key (same scheme://host:port): held meanwhile.
+    during = [
+        r.at_ms - refused_at
+        for r in sink.received
+        if r.path == "/other" and 300 < r.at_ms - refused_at < asked_s * 1000 - 100
+    ]
+    assert during == [], during
+    assert await sink.wait_for(
+        lambda s: any(
+            r.path == "/other" and r.at_ms > refused_at + asked_s * 1000 for r in s.received
+        ),
+        timeout_s=10,
+    )
+
+
+async def test_a_circuit_breaker_opens_shared_by_executors_then_probes(
+    stack: Stack, sink: Sink, client: CommandClient
+) -> None:
+    sink.respond = lambda _: 500
+    await stack.start_all(
+        TWO_EXECUTORS, CRONBUS_BREAKER_FAILURES="3", CRONBUS_BREAKER_COOLDOWN_S="3"
+    )
+    for i in range(3):
+        reply = await client.send(
+            "acme",
+            "upsert",
+            {
+                "schedule": {
+                    "id": f"down{i}",
+                    "spec": {"kind": "interval", "every_s": 1},
+                    "target": webhook(sink, rate_key="billing-api"),
+                    "retry": {"max_attempts": 1},
+                }
+            },
+        )
+        assert reply["ok"], reply
+    assert await sink.wait_for(lambda s: len(s.received) >= 3, timeout_s=15), stack.tails()
+    await asyncio.sleep(0.5)
+    shown = await client.send("acme", "get", {"id": "down0"})
+    breaker = shown["schedule"]["breaker"]
+    assert breaker["rate_key"] == "billing-api" and breaker["state"] == "open", breaker
+    opened_at = sink.received[2].at_ms
+    await asyncio.sleep(6)
+    later = [r.at_ms - opened_at for r in sink.received[3:]]
+    # Nothing during the cooldown (a few in flight when it opened may land just after),
+    # then one probe per cooldown: it fails, and the breaker opens again.
+    assert all(t < 300 or t >= 2900 for t in later), later
+    probes = [t for t in later if t >= 2900]
+    assert 1 <= len(probes) <= 2, later
+    scraped = [
+        (await asyncio.to_thread(proc.get, "/metrics"))[1] for proc in stack.running("executor")
+    ]
+    opened = sum(
+        metric_sum(text, 'cronbus_breaker_transitions_total{namespace="acme",state="open"}')
+        for text in scraped
+    )
+    assert opened >= 2
