@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,11 @@ BREAKER_IDLE_MS = 3_600_000
 #: How long a deferral marker outlives the hold's end.
 MARKER_MARGIN_MS = 3_600_000
 GO, WAIT, HELD = 0, 1, 2
+#: An unlimited rate key found clear (no hold, no failures) is not asked again for this long:
+#: a hold or a breaker another executor sets is seen at most this late.
+CLEAR_FOR_S = 0.25
+#: Most rate keys remembered as clear.
+MAX_CLEAR_KEYS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,8 @@ class Limits:
         self._report = Batcher(self._flush_report, name="report", **options)
         self._defer = Batcher(self._flush_defer, name="defer", **options)
         self._deferred = Batcher(self._flush_deferred, name="deferred", **options)
+        #: Unlimited rate keys found clear, until (monotonic seconds).
+        self._clear_until: dict[str, float] = {}
 
     # --- batched Redis calls ------------------------------------------------------------------
 
@@ -106,6 +114,8 @@ class Limits:
         target = occ.plan.target
         key = limits.rate_key(occ.namespace, target)
         bucket = limits.bucket_of(target)
+        if bucket is None and self._clear_until.get(key, 0.0) > time.monotonic():
+            return Admission(key, GO, 0, False, False)
         item = (
             key,
             bucket.interval_ms if bucket else 0.0,
@@ -116,6 +126,10 @@ class Limits:
             lambda: self._gate.submit(item), what="rate gate", stopping=self.stopping
         )
         admission = Admission(key, code, ms, bool(flags & 1), bool(flags & 2))
+        if bucket is None and code == GO and not flags:
+            if len(self._clear_until) >= MAX_CLEAR_KEYS:
+                self._clear_until.clear()
+            self._clear_until[key] = time.monotonic() + CLEAR_FOR_S
         label = metrics.NAMESPACES(occ.namespace)
         if code == WAIT:
             metrics.RATE_WAITS.labels(label).inc()
@@ -129,6 +143,7 @@ class Limits:
             retry_after = min(retry_after, self.max_retry_after_ms)
         if outcome.ok and not admission.dirty and not admission.probe:
             return  # nothing to close, nothing to hold: no round trip
+        self._clear_until.pop(admission.rate_key, None)
         item = (admission.rate_key, outcome.ok, retry_after)
         code = await transient.retry(
             lambda: self._report.submit(item), what="rate report", stopping=self.stopping
