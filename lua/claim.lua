@@ -108,9 +108,11 @@ local function due_items()
       left = left - take
     end
   end
-  local items = {}
-  for _, namespace in ipairs(order) do
-    local want = share[namespace]
+  -- Interleave the namespaces (a, b, a, b, ...) so that each one's first occurrences lead
+  -- the delivery messages, rather than queue behind another namespace's whole share.
+  local lists = {}
+  for index, namespace in ipairs(order) do
+    local list, want = {}, share[namespace]
     for _, run in ipairs(runs[namespace]) do
       if want <= 0 then
         break
@@ -118,10 +120,24 @@ local function due_items()
       local count = math.min(want, run[2] - run[1] + 1)
       local got = redis.call('ZRANGE', due, run[1], run[1] + count - 1, 'WITHSCORES')
       for _, value in ipairs(got) do
-        items[#items + 1] = value
+        list[#list + 1] = value
       end
       want = want - count
     end
+    lists[index] = list
+  end
+  local items, position, added = {}, 1, true
+  while added do
+    added = false
+    for index = 1, #order do
+      local list = lists[index]
+      if list[position] then
+        items[#items + 1] = list[position]
+        items[#items + 1] = list[position + 1]
+        added = true
+      end
+    end
+    position = position + 2
   end
   return items
 end

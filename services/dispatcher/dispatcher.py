@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange
 
-from shared import amqp, delivery, keys, metrics, transient
+from shared import amqp, delivery, fairness, keys, metrics, transient
 from shared.config import DispatcherSettings
 from shared.index import Claimed, ClaimResult, Index
 
@@ -85,6 +85,9 @@ class Dispatcher:
             self.shards, self.settings.claim_batch, round(self.settings.lease_s * 1000)
         )
         claimed = [c for result in results for c in result.claimed]
+        if len(claimed) > self.settings.delivery_batch:
+            # Each namespace's first occurrences lead the messages (see shared.fairness).
+            claimed = fairness.interleave(claimed, lambda c: fairness.namespace_of(c.member))
         for result in results:
             if result.orphans:
                 metrics.ORPHANS.inc(result.orphans)

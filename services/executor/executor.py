@@ -25,6 +25,7 @@ from services.executor import limits, settle
 from services.executor.audit import AuditWriter
 from services.executor.autopause import AutoPause
 from services.executor.events import Events
+from services.executor.fairslots import FairSlots
 from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
 from shared import delivery, metrics, schedule, transient
@@ -87,7 +88,8 @@ class Executor:
         self.stopping = stopping
         self.clock = clock
         self.rng = random.Random()
-        self.slots = asyncio.Semaphore(settings.concurrency)
+        #: Delivery slots, handed to the namespaces with waiters in turn.
+        self.fair_slots = FairSlots(settings.concurrency)
         self.lease_ms = round(settings.lease_s * 1000)
         self.autopause = AutoPause(index, audit.store, events, stopping, settings.complete_flush_ms)
         self.limits = limits.Limits(
@@ -241,7 +243,7 @@ class Executor:
             return None
         if admission.code == limits.WAIT:
             await asyncio.sleep(admission.ms / 1000)
-        async with self.slots:
+        async with self.fair_slots.slot(occ.namespace):
             outcome, started, finished = await self._deliver(occ, key)
         outcome = self.limits.capped(outcome)
         await self.limits.report(occ, admission, outcome)
