@@ -45,6 +45,8 @@ class CommonSettings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: json: one JSON object per line; text: for people at a terminal.
     log_format: Literal["json", "text"] = "json"
+    #: JSON file of per-namespace quotas (see shared.quotas); empty: no quotas.
+    quotas_file: str = ""
 
 
 class DispatcherSettings(CommonSettings):

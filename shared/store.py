@@ -369,6 +369,11 @@ class Store:
         records = await self.pool.fetch(QUERIES["schedule_stats"], namespace, list(ids))
         return {record["id"]: dict(record) for record in records}
 
+    async def count_live_schedules(self, conn: Connection, namespace: str) -> int:
+        """Live schedules of a namespace, holding its creation lock until the transaction ends."""
+        record = await conn.fetchrow(QUERIES["count_live_schedules"], namespace)
+        return int(record["live"]) if record is not None else 0
+
     async def reset_stats(self, conn: Connection, namespace: str, schedule_id: str) -> None:
         await conn.execute(QUERIES["reset_stats"], namespace, schedule_id)
 

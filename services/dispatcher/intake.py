@@ -29,6 +29,7 @@ from shared import (
     limits,
     metrics,
     models,
+    quotas,
     rotation,
     schedule,
     stats,
@@ -169,6 +170,7 @@ class Intake:
         self.wake = wake
         self.clock = clock
         self.policy = settings.target_policy()
+        self.quotas = quotas.QuotaFile(settings.quotas_file)
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     def now_ms(self) -> int:
@@ -347,6 +349,7 @@ class Intake:
             plan = dataclasses.replace(checked, version=version)
             current = _current_of(old) if live and old is not None else None
             if not live:
+                await self._check_quota(conn, namespace)
                 await self.store.reset_stats(conn, namespace, item.id)
             placement = rotation.place_upsert(current, plan, item.paused, now)
             row = await self.store.put_schedule(
@@ -369,6 +372,20 @@ class Intake:
             await self._record(conn, audit, version, reply)
         await self._index(namespace, item.id, plan, placement)
         return reply
+
+    async def _check_quota(self, conn: Any, namespace: str) -> None:
+        """Refuse a new schedule in a namespace already at its max_schedules."""
+        quota = self.quotas.of(namespace)
+        if quota is None or quota.max_schedules is None:
+            return
+        live = await self.store.count_live_schedules(conn, namespace)
+        if live >= quota.max_schedules:
+            reason = f"namespace {namespace!r} holds {live} schedules, its max_schedules"
+            raise ValidationFailed(
+                "quota_exceeded",
+                f"quota exceeded: {reason}",
+                [{"field": "id", "reason": f"a new schedule is over the quota: {reason}"}],
+            )
 
     async def delete(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
         now = self.now_ms()

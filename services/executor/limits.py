@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.executor.settle import Outcome
-from shared import limits, metrics, transient
+from shared import limits, metrics, quotas, transient
 from shared.batcher import Batcher
 from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
@@ -38,6 +39,8 @@ BREAKER_IDLE_MS = 3_600_000
 #: How long a deferral marker outlives the hold's end.
 MARKER_MARGIN_MS = 3_600_000
 GO, WAIT, HELD = 0, 1, 2
+#: The namespace's own bucket for max_fires_per_s (a space: no user rate key has one).
+QUOTA_KEY = " max_fires_per_s"
 #: An unlimited rate key found clear (no hold, no failures) is not asked again for this long:
 #: a hold or a breaker another executor sets is seen at most this late.
 CLEAR_FOR_S = 0.25
@@ -76,6 +79,7 @@ class Limits:
         self._report = Batcher(self._flush_report, name="report", **options)
         self._defer = Batcher(self._flush_defer, name="defer", **options)
         self._deferred = Batcher(self._flush_deferred, name="deferred", **options)
+        self.quotas = quotas.QuotaFile(settings.quotas_file)
         #: Unlimited rate keys found clear, until (monotonic seconds).
         self._clear_until: dict[str, float] = {}
 
@@ -111,6 +115,29 @@ class Limits:
     # --- the executor's hooks -----------------------------------------------------------------
 
     async def admit(self, occ: Occurrence) -> Admission:
+        """Admission by the target's rate key, and by the namespace's max_fires_per_s."""
+        admission = await self._admit_target(occ)
+        quota = self.quotas.of(occ.namespace)
+        if quota is None or quota.max_fires_per_s is None or admission.code == HELD:
+            return admission
+        item = (
+            f"{occ.namespace}|{QUOTA_KEY}",
+            1000 / quota.max_fires_per_s,
+            max(1, math.ceil(quota.max_fires_per_s)),
+            0,
+        )
+        code, ms, _ = await transient.retry(
+            lambda: self._gate.submit(item), what="quota gate", stopping=self.stopping
+        )
+        if code == HELD:
+            metrics.RATE_HELD.labels(metrics.NAMESPACES(occ.namespace)).inc()
+            return dataclasses.replace(admission, code=HELD, ms=ms)
+        if code == WAIT and (admission.code != WAIT or ms > admission.ms):
+            metrics.RATE_WAITS.labels(metrics.NAMESPACES(occ.namespace)).inc()
+            return dataclasses.replace(admission, code=WAIT, ms=ms)
+        return admission
+
+    async def _admit_target(self, occ: Occurrence) -> Admission:
         target = occ.plan.target
         key = limits.rate_key(occ.namespace, target)
         bucket = limits.bucket_of(target)

@@ -198,3 +198,9 @@ DELETE FROM schedule_stats WHERE namespace = $1 AND id = $2;
 INSERT INTO schedule_stats AS s (namespace, id, paused_version)
 VALUES ($1, $2, $3)
 ON CONFLICT (namespace, id) DO UPDATE SET paused_version = EXCLUDED.paused_version;
+
+-- count_live_schedules --
+-- A namespace's schedules that are not deleted, counted for max_schedules under a lock that
+-- serialises creations in the namespace (two creations racing cannot both pass the quota).
+SELECT pg_advisory_xact_lock(hashtextextended('cronbus-quota:' || $1, 0)),
+       (SELECT count(*) FROM schedules WHERE namespace = $1 AND state <> 'deleted') AS live;

@@ -342,3 +342,81 @@ async def test_a_circuit_breaker_opens_shared_by_executors_then_probes(
         for text in scraped
     )
     assert opened >= 2
+
+
+async def test_quotas_refuse_schedules_over_max_and_delay_fires_over_the_rate(
+    stack: Stack, sink: Sink, client: CommandClient, tmp_path: Path
+) -> None:
+    quota_file = tmp_path / "quotas.json"
+    quota_file.write_text('{"acme": {"max_schedules": 2}, "busy": {"max_fires_per_s": 4}, "*": {}}')
+    await stack.start_all(TWO_EXECUTORS, CRONBUS_QUOTAS_FILE=str(quota_file))
+
+    def one(schedule_id: str, **spec: Any) -> dict[str, Any]:
+        return {
+            "schedule": {
+                "id": schedule_id,
+                "spec": {"kind": "interval", "every_s": 3600, **spec},
+                "target": webhook(sink),
+            }
+        }
+
+    for schedule_id in ("x1", "x2"):
+        assert (await client.send("acme", "upsert", one(schedule_id)))["ok"]
+    refused = await client.send("acme", "upsert", one("x3"))
+    assert refused["ok"] is False and refused["error"]["code"] == "quota_exceeded", refused
+    assert refused["error"]["details"][0]["field"] == "id"
+    assert (await client.send("acme", "get", {"id": "x3"}))["error"]["code"] == "not_found"
+    assert (await client.send("acme", "upsert", one("x1", every_s=1800)))["ok"]  # an update
+    assert (await client.send("acme", "delete", {"id": "x2"}))["ok"]
+    assert (await client.send("acme", "upsert", one("x3")))["ok"]
+
+    start_ms = (int(time.time()) + 3) * 1000
+    start = timefmt.format_ms(start_ms)
+    for i in range(20):
+        assert (await client.send("busy", "upsert", one(f"b{i}", start_at=start)))["ok"]
+    for i in range(3):
+        assert (await client.send("calm", "upsert", one(f"c{i}", start_at=start)))["ok"]
+    assert await sink.wait_for(
+        lambda s: sum(r.schedule.startswith("busy/") for r in s.received) >= 20, timeout_s=30
+    ), stack.tails()
+    busy = sorted(r.at_ms for r in sink.received if r.schedule.startswith("busy/"))
+    calm = [r.at_ms - start_ms for r in sink.received if r.schedule.startswith("calm/")]
+    print(f"busy: 20 fires over {(busy[-1] - busy[0]) / 1000:.2f} s at max_fires_per_s 4")
+    assert busy[-1] - busy[0] >= (20 - 4) / 4 * 1000 - 1000
+    assert worst_window(busy, 1000) <= 4 + 4 + 1
+    assert len(calm) == 3 and max(calm) < 1500, calm
+
+
+async def test_a_herd_in_one_namespace_does_not_delay_another(
+    stack: Stack, sink: Sink, client: CommandClient, stack_env: dict[str, str]
+) -> None:
+    from cronbus import bench  # noqa: PLC0415
+
+    sink.delay_s = 0.02  # a target that takes 20 ms: with 10 slots per executor, ~1000/s
+    sink.keep = True
+    # Little in flight (claims of 100, a short deliveries queue, small prefetch): the herd waits
+    # in Redis, where only fair claims can let the other namespace through.
+    await stack.start_all(
+        TWO_EXECUTORS,
+        CRONBUS_SHARDS="16",
+        CRONBUS_CLAIM_BATCH="100",
+        CRONBUS_CONCURRENCY="10",
+        CRONBUS_PREFETCH="2",
+        CRONBUS_DELIVERIES_HIGH_WATER="2",
+    )
+    found = bench.Corner(
+        stack_env["CRONBUS_REDIS_URL"],
+        stack_env["CRONBUS_REDIS_PREFIX"],
+        stack_env["CRONBUS_AMQP_URL"],
+        stack_env["CRONBUS_DATABASE_URL"],
+    )
+    due_ms = (int(time.time()) + 4) * 1000
+    # "zulu" sorts after "alpha": without fair claims its entries would come last.
+    await bench._import(found, bench.herd_lines(3000, due_ms, f"{sink.url}/a"), "alpha")
+    await bench._import(found, bench.herd_lines(20, due_ms, f"{sink.url}/b"), "zulu")
+    assert await sink.wait_for(lambda s: len(s.received) >= 3020, timeout_s=60), stack.tails()
+    herd_last = max(r.at_ms for r in sink.received if r.schedule.startswith("alpha/"))
+    few = sorted(r.at_ms - due_ms for r in sink.received if r.schedule.startswith("zulu/"))
+    print(f"herd drained in {(herd_last - due_ms) / 1000:.2f} s; few: worst {few[-1]:.0f} ms")
+    assert len(few) == 20
+    assert few[-1] < (herd_last - due_ms) / 3, (few, herd_last - due_ms)
