@@ -59,22 +59,23 @@ class RedisKeys:
         return f"{self.prefix}:{{{shard}}}:sched"
 
     def occ(self, shard: int) -> str:
-        """HASH member -> current occurrence ``nominal|attempt|token|fires``."""
+        """HASH member -> current occurrence ``nominal|attempt|token|fires[|flags]``."""
         return f"{self.prefix}:{{{shard}}}:occ"
 
     def fails(self, shard: int) -> str:
         """HASH ``ns/id`` -> consecutive occurrences ended dead (pause_after_failures only)."""
         return f"{self.prefix}:{{{shard}}}:fails"
 
-    def deferred(self, shard: int, member: str) -> str:
-        """STRING nominal ms of an occurrence deferred by a rate key (it is not judged late)."""
-        return f"{self.prefix}:{{{shard}}}:deferred:{member}"
-
     def rate(self, rate_key: str) -> tuple[str, str, str]:
         """(tat, hold, breaker) of a namespaced rate key: its GCRA slot, its Retry-After hold
         and its circuit breaker. All rate keys share one hash tag, so a batch is one call."""
         base = f"{self.prefix}:{{rate}}:"
         return (base + "tat:" + rate_key, base + "hold:" + rate_key, base + "brk:" + rate_key)
+
+    def gone(self, shard: int) -> str:
+        """HASH ``ns/id`` -> ``version|ms``: tombstones of schedules deleted or finished at that
+        version, so no write of an older one (a rebuild, a repair) brings them back."""
+        return f"{self.prefix}:{{{shard}}}:gone"
 
     def seq(self, shard: int) -> str:
         """STRING counter that mints fencing tokens."""

@@ -16,8 +16,8 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -28,7 +28,7 @@ from services.executor.events import Events
 from services.executor.fairslots import FairSlots
 from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import delivery, metrics, schedule, transient
+from shared import delivery, metrics, transient
 from shared.batcher import Batcher
 from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
@@ -67,6 +67,16 @@ def _count_outcome(namespace: str, settlement: Settlement) -> None:
         metrics.NAMESPACE_OUTCOMES.labels(label, "excluded").inc(settlement.row.excluded)
 
 
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _poison_reason(headers: Mapping[str, Any]) -> str:
+    why = _text(headers.get("x-first-death-reason", "rejected"))
+    count = _text(headers.get("x-delivery-count", "too many"))
+    return f"delivery message dead-lettered ({why}, delivered {count} times)"
+
+
 class Executor:
     def __init__(
         self,
@@ -90,13 +100,22 @@ class Executor:
         self.rng = random.Random()
         #: Delivery slots, handed to the namespaces with waiters in turn.
         self.fair_slots = FairSlots(settings.concurrency)
-        self.lease_ms = round(settings.lease_s * 1000)
         self.autopause = AutoPause(index, audit.store, events, stopping, settings.complete_flush_ms)
         self.limits = limits.Limits(
             index, settings, stopping, self.now_ms, settings.complete_flush_ms
         )
+        self.lease_ms = round(settings.lease_s * 1000)
         #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
         self._holding: dict[tuple[int, str], int] = {}
+        #: Occurrences received and waiting for a delivery slot: their leases are kept alive
+        #: (``keep_waiting_leases``) so a long wait never lets the sweeper hand them out again.
+        self._waiting: dict[tuple[int, str], int] = {}
+        self._begin = Batcher(
+            self._flush_begin,
+            max_delay_ms=settings.complete_flush_ms,
+            max_items=BATCH_ITEMS,
+            name="begin",
+        )
         self._complete = Batcher(
             self._flush_complete,
             max_delay_ms=settings.complete_flush_ms,
@@ -115,8 +134,12 @@ class Executor:
 
     # --- batched Redis calls ------------------------------------------------------------------
 
-    async def _flush_begin(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[int]:
-        return _in_order(items, await self.index.begin(_by_shard(items)))
+    async def _flush_begin(
+        self, items: Sequence[tuple[int, tuple[str, int, int]]]
+    ) -> list[int | None]:
+        """Per item, the Redis clock (ms) when its lease is held, or None when it is stale."""
+        now, codes = await self.index.begin(_by_shard(items))
+        return [now if code else None for code in _in_order(items, codes)]
 
     async def _flush_complete(self, items: Sequence[tuple[int, Completion]]) -> list[int]:
         codes = _in_order(items, await self.index.complete(_by_shard(items)))
@@ -162,8 +185,11 @@ class Executor:
             return
         try:
             await self.audit.wait_for_room()
-            live = await self.begin(occurrences)
-            await asyncio.gather(*(self.process(occ) for occ in live))
+            live = await self.hold(occurrences)
+            try:
+                await asyncio.gather(*(self.process(occ) for occ in live))
+            finally:
+                self._stop_waiting(live)
         except (transient.Stopped, asyncio.CancelledError) as exc:
             # Handed back: the redelivery's fencing skips whatever was settled already.
             with contextlib.suppress(Exception):
@@ -182,72 +208,150 @@ class Executor:
             # If the ack is lost the broker redelivers, and fencing skips what is settled.
             await message.ack()
 
-    async def begin(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
-        """Fence a message's occurrences in one round trip: those whose token is still
-        current are held (lease extended for the delivery); the others are stale."""
-        items = [
-            (occ.shard, (occ.member, occ.token, occ.plan.target.timeout_ms + self.lease_ms))
-            for occ in occurrences
-        ]
-        codes = await transient.retry(
-            lambda: self._flush_begin(items), what="begin", stopping=self.stopping
-        )
-        live = []
-        for occ, code in zip(occurrences, codes, strict=True):
-            if code:
-                self._holding[(occ.shard, occ.member)] = occ.token
-                live.append(occ)
-            else:
-                metrics.STALE.labels("begin").inc()
-        return live
+    def _stop_waiting(self, occurrences: Sequence[Occurrence]) -> None:
+        """A message given up (handed back, or parked as a bug): its leases are no longer
+        kept alive here, so the sweeper or a redelivery takes its occurrences over."""
+        for occ in occurrences:
+            if self._waiting.get((occ.shard, occ.member)) == occ.token:
+                del self._waiting[(occ.shard, occ.member)]
 
-    async def process(self, occ: Occurrence) -> None:
-        """Deliver and settle one fenced occurrence (waiting out Redis outages)."""
-        key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
-        chosen = settle.missed_choice(occ, self.now_ms())
-        if chosen != occ.nominal_ms and await self.limits.was_deferred(occ):
-            chosen = occ.nominal_ms  # admitted before a rate key held it: late, not missed
-        if chosen != occ.nominal_ms:
-            metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
-            log.info(
-                "missed occurrence skipped by its misfire policy",
+    async def settle_dead_letter(self, message: AbstractIncomingMessage) -> None:
+        """A delivery message the broker dead-lettered (redelivered past its limit: it kept
+        crashing executors, or was parked as a bug): each occurrence still current ends
+        ``dead`` with the reason, an event is published, and its rotation goes on."""
+        try:
+            occurrences = delivery.decode(message.body)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error(
+                "dead-lettered delivery message is not one: dropped",
                 extra={
-                    "action": "misfire",
-                    "schedule": occ.member,
-                    "nominal_ms": occ.nominal_ms,
-                    "next_ms": chosen,
-                    "policy": occ.plan.misfire.policy,
+                    "action": "dead_letter_dropped",
+                    "error": repr(exc),
+                    "body": message.body[:1024].decode("utf-8", "replace"),
                 },
             )
-            await self._settle(occ, settle.skip(occ, key, chosen, self.now_ms()))
+            await message.ack()
             return
-        delivered = await self._deliver_within_limits(occ, key)
-        if delivered is None:
-            return  # held by its rate key: back in due at the hold's end
-        outcome, started, finished = delivered
-        await self._settle(
-            occ, settle.settle(occ, key, outcome, started, finished, self.now_ms(), self.rng)
+        reason = _poison_reason(message.headers or {})
+        for occ in occurrences:
+            now = await self.begin(occ)
+            if now is not None:
+                key = occ.idempotency_key
+                log.error(
+                    "poison delivery: occurrence ends dead",
+                    extra={"action": "poison", "schedule": occ.member, "reason": reason},
+                )
+                await self._settle(occ, settle.poisoned(occ, key, reason, now))
+        await message.ack()
+
+    async def hold(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
+        """Fence a message's occurrences as it arrives, in one round trip: those whose token
+        is current have their lease held while they wait for a delivery slot; the others are
+        stale (another copy took care of them) and are dropped."""
+        items = [(occ.shard, (occ.member, occ.token, self.lease_ms)) for occ in occurrences]
+        results = await transient.retry(
+            lambda: self._flush_begin(items), what="hold", stopping=self.stopping
+        )
+        live = []
+        for occ, now in zip(occurrences, results, strict=True):
+            if now is None:
+                metrics.STALE.labels("begin").inc()
+            else:
+                self._waiting[(occ.shard, occ.member)] = occ.token
+                live.append(occ)
+        return live
+
+    async def keep_waiting_leases(self) -> None:
+        """Extend the leases of occurrences still waiting for a slot (one round trip for
+        all); those found stale meanwhile are left to whichever copy is current."""
+        waiting = list(self._waiting.items())
+        for start in range(0, len(waiting), BATCH_ITEMS):
+            chunk = waiting[start : start + BATCH_ITEMS]
+            items = [(shard, (member, token, self.lease_ms)) for (shard, member), token in chunk]
+            results = await self._flush_begin(items)
+            for ((shard, member), token), now in zip(chunk, results, strict=True):
+                if now is None and self._waiting.get((shard, member)) == token:
+                    del self._waiting[(shard, member)]
+
+    async def run_lease_keeper(self, stopping: asyncio.Event) -> None:
+        await transient.every(
+            max(self.lease_ms / 3000, 0.1),
+            self.keep_waiting_leases,
+            what="lease keeper",
+            stopping=stopping,
         )
 
-    async def _deliver_within_limits(
-        self, occ: Occurrence, key: str
-    ) -> tuple[Outcome, int, int] | None:
-        """Deliver when the rate key admits it (waiting a reserved slot out without holding a
-        concurrency slot); None when the rate key holds it, and it was put back into due."""
-        admission = await self.limits.admit(occ)
-        if admission.code == limits.HELD:
-            code = await self.limits.defer(occ, admission.ms)
-            self._holding.pop((occ.shard, occ.member), None)
-            if not code:
-                metrics.STALE.labels("defer").inc()
-            return None
-        if admission.code == limits.WAIT:
-            await asyncio.sleep(admission.ms / 1000)
+    async def begin(self, occ: Occurrence) -> int | None:
+        """Fence one occurrence as its delivery starts: if its token is still current, hold
+        its lease for the delivery and return the Redis clock (ms); None when it is stale.
+        Calls from occurrences starting together go to Redis in one round trip."""
+        hold_ms = occ.plan.target.timeout_ms + self.lease_ms
+        now = await transient.retry(
+            lambda: self._begin.submit((occ.shard, (occ.member, occ.token, hold_ms))),
+            what="begin",
+            stopping=self.stopping,
+        )
+        if now is None:
+            metrics.STALE.labels("begin").inc()
+        else:
+            self._holding[(occ.shard, occ.member)] = occ.token
+        return now
+
+    async def process(self, occ: Occurrence) -> None:
+        """Deliver and settle one occurrence (waiting out Redis outages).
+
+        The lease is checked and extended only once a concurrency slot is free, right before
+        the delivery: an occurrence whose lease ran out while it waited was handed out again
+        by the sweeper, and is left to that copy. Misfire decisions use the Redis clock.
+        """
+        key = occ.idempotency_key
         async with self.fair_slots.slot(occ.namespace):
-            outcome, started, finished = await self._deliver(occ, key)
-        outcome = self.limits.capped(outcome)
-        await self.limits.report(occ, admission, outcome)
-        return outcome, started, finished
+            self._waiting.pop((occ.shard, occ.member), None)
+            now = await self.begin(occ)
+            if now is None:
+                return
+            chosen = settle.missed_choice(occ, now)
+            if chosen == occ.nominal_ms:
+                admission = await self.limits.admit(occ)
+                if admission.code == limits.HELD:
+                    await self._defer(occ, admission.ms)
+                    return
+                if admission.code == limits.WAIT:
+                    # A reserved slot at most MAX_RESERVE_MS ahead: bounded, so waited out here.
+                    await asyncio.sleep(admission.ms / 1000)
+                outcome, started, finished = await self._deliver(occ, key)
+                # Clocks: started/finished time the attempt on this host; decisions use Redis.
+                settled_now = now + (finished - started)
+        if chosen == occ.nominal_ms:
+            outcome = self.limits.capped(outcome)
+            await self.limits.report(occ, admission, outcome)
+        if chosen != occ.nominal_ms:
+            self._log_misfire(occ, chosen)
+            await self._settle(occ, settle.skip(occ, key, chosen, now))
+            return
+        await self._settle(
+            occ, settle.settle(occ, key, outcome, started, finished, settled_now, self.rng)
+        )
+
+    async def _defer(self, occ: Occurrence, until_ms: int) -> None:
+        """Held by its rate key: back into due at the hold's end, same attempt (defer.lua)."""
+        code = await self.limits.defer(occ, until_ms)
+        self._holding.pop((occ.shard, occ.member), None)
+        if not code:
+            metrics.STALE.labels("defer").inc()
+
+    def _log_misfire(self, occ: Occurrence, chosen: int | None) -> None:
+        metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
+        log.info(
+            "missed occurrence skipped by its misfire policy",
+            extra={
+                "action": "misfire",
+                "schedule": occ.member,
+                "nominal_ms": occ.nominal_ms,
+                "next_ms": chosen,
+                "policy": occ.plan.misfire.policy,
+            },
+        )
 
     async def _deliver(self, occ: Occurrence, key: str) -> tuple[Outcome, int, int]:
         kind = "webhook" if isinstance(occ.plan.target, WebhookPlan) else "amqp"
@@ -352,7 +456,7 @@ class Executor:
         return 0
 
     async def drain(self) -> None:
-        for batcher in (self._complete, self._retry):
+        for batcher in (self._begin, self._complete, self._retry):
             await batcher.drain()
         await self.autopause.drain()
         await self.limits.drain()

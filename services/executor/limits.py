@@ -36,8 +36,6 @@ MAX_RESERVE_MS = 2000
 PROBE_MARGIN_MS = 5000
 #: A breaker with no failure for its cooldown plus this long is forgotten.
 BREAKER_IDLE_MS = 3_600_000
-#: How long a deferral marker outlives the hold's end.
-MARKER_MARGIN_MS = 3_600_000
 GO, WAIT, HELD = 0, 1, 2
 #: The namespace's own bucket for max_fires_per_s (a space: no user rate key has one).
 QUOTA_KEY = " max_fires_per_s"
@@ -78,7 +76,6 @@ class Limits:
         self._gate = Batcher(self._flush_gate, name="gate", **options)
         self._report = Batcher(self._flush_report, name="report", **options)
         self._defer = Batcher(self._flush_defer, name="defer", **options)
-        self._deferred = Batcher(self._flush_deferred, name="deferred", **options)
         self.quotas = quotas.QuotaFile(settings.quotas_file)
         #: Unlimited rate keys found clear, until (monotonic seconds).
         self._clear_until: dict[str, float] = {}
@@ -95,22 +92,17 @@ class Limits:
             items, self.breaker_failures, self.cooldown_ms, BREAKER_IDLE_MS
         )
 
-    async def _flush_defer(
-        self, items: Sequence[tuple[int, tuple[str, int, int, int]]]
-    ) -> list[int]:
-        by_shard: dict[int, list[tuple[str, int, int, int]]] = defaultdict(list)
+    async def _flush_defer(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[int]:
+        by_shard: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
         for shard, item in items:
             by_shard[shard].append(item)
-        codes = await self.index.defer(dict(by_shard), MARKER_MARGIN_MS)
+        codes = await self.index.defer(dict(by_shard))
         cursors = dict.fromkeys(codes, 0)
         ordered = []
         for shard, _ in items:
             ordered.append(codes[shard][cursors[shard]])
             cursors[shard] += 1
         return ordered
-
-    async def _flush_deferred(self, items: Sequence[tuple[int, str]]) -> list[int | None]:
-        return await self.index.take_deferred(items)
 
     # --- the executor's hooks -----------------------------------------------------------------
 
@@ -186,21 +178,11 @@ class Limits:
 
     async def defer(self, occ: Occurrence, at_ms: int) -> int:
         """Back into due at ``at_ms``, same attempt (1 deferred, 0 stale)."""
-        item = (occ.shard, (occ.member, occ.token, at_ms, occ.nominal_ms))
+        item = (occ.shard, (occ.member, occ.token, at_ms))
         code: int = await transient.retry(
             lambda: self._defer.submit(item), what="defer", stopping=self.stopping
         )
         return code
-
-    async def was_deferred(self, occ: Occurrence) -> bool:
-        """Whether this occurrence was deferred by a rate key after its misfire policy had
-        admitted it (then it is delivered late rather than judged again)."""
-        nominal = await transient.retry(
-            lambda: self._deferred.submit((occ.shard, occ.member)),
-            what="deferral marker",
-            stopping=self.stopping,
-        )
-        return nominal == occ.nominal_ms
 
     def capped(self, outcome: Outcome) -> Outcome:
         """The outcome with its Retry-After capped at CRONBUS_MAX_RETRY_AFTER_S."""
@@ -209,5 +191,5 @@ class Limits:
         return dataclasses.replace(outcome, retry_after_ms=self.max_retry_after_ms)
 
     async def drain(self) -> None:
-        for batcher in (self._gate, self._report, self._defer, self._deferred):
+        for batcher in (self._gate, self._report, self._defer):
             await batcher.drain()

@@ -73,14 +73,16 @@ async def test_a_success_closes_the_breaker_and_resets_the_count(index: Index) -
     assert codes == [0, 0]
 
 
-async def test_defer_keeps_the_attempt_drops_the_token_and_leaves_a_marker(index: Index) -> None:
+async def test_defer_keeps_the_attempt_drops_the_token_and_flags_a_catch_up(
+    index: Index,
+) -> None:
     await add(index, 0, "ns/a", NOW)
     claimed = (await index.claim([0], 10, LEASE_MS, now_ms=NOW))[0].claimed[0]
     await index.client.hset(index.keys.occ(0), "ns/a", occ_state(NOW, 2, claimed.token, 0))
-    codes = await index.defer({0: [("ns/a", claimed.token, NOW + 5000, NOW)]}, 60_000)
+    codes = await index.defer({0: [("ns/a", claimed.token, NOW + 5000)]})
     assert codes == {0: [1]}
     due, lease, occ = await index.position(0, "ns/a")
-    assert (due, lease, occ) == (NOW + 5000, None, occ_state(NOW, 2, "", 0))
-    assert await index.defer({0: [("ns/a", claimed.token, NOW + 9000, NOW)]}, 60_000) == {0: [0]}
-    assert await index.take_deferred([(0, "ns/a"), (0, "ns/b")]) == [NOW, None]
-    assert await index.take_deferred([(0, "ns/a")]) == [None]
+    assert (due, lease, occ) == (NOW + 5000, None, occ_state(NOW, 2, "", 0, "c"))
+    assert await index.defer({0: [("ns/a", claimed.token, NOW + 9000)]}) == {0: [0]}
+    again = (await index.claim([0], 10, LEASE_MS, now_ms=NOW + 5000))[0].claimed[0]
+    assert (again.nominal_ms, again.attempt, again.catch_up) == (NOW, 2, True)
