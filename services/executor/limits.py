@@ -1,7 +1,8 @@
 """Rate limits, Retry-After holds and circuit breakers per rate key, shared by all executors.
 
 Before a delivery, the executor asks ``gate.lua`` (one call per batch) whether the rate key
-admits it: go now, go after a short reserved wait, or held until some instant. A held
+admits it: go now, go after a reserved wait (at most ``MAX_RESERVE_MS``, waited out in its
+delivery slot), or held until some instant. A held
 occurrence is not slept on: ``defer.lua`` puts it back into due at the hold's end with its
 attempt unchanged, so it burns no attempt and holds no lease, no concurrency slot and no
 message meanwhile. After the attempt, ``report.lua`` (one call per batch) feeds the breaker and
@@ -29,8 +30,8 @@ from shared.index import Index
 log = logging.getLogger(__name__)
 
 BATCH_ITEMS = 2000
-#: Longest wait a rate limit reserves a slot for (the occurrence sleeps, holding nothing but
-#: its message); a longer wait defers it back into due.
+#: Longest wait a rate limit reserves a slot for (the occurrence waits in its delivery slot, so
+#: a limited key holds at most rate x 2 s + burst slots); a longer wait defers it back to due.
 MAX_RESERVE_MS = 2000
 #: A probe may take its timeout plus this before another probe is let through.
 PROBE_MARGIN_MS = 5000
