@@ -64,6 +64,8 @@ def _encode_target(target: TargetPlan, out: dict[str, Any]) -> None:
             out["M"] = target.method
         if target.success_codes is not None:
             out["S"] = sorted(target.success_codes)
+        if target.secret_headers:
+            out["X"] = dict(target.secret_headers)
     else:
         out["x"] = target.exchange
         if target.routing_key:
@@ -98,6 +100,7 @@ def _decode_target(data: dict[str, Any]) -> TargetPlan:
             rate_key=data.get("K"),
             rate_per_s=per_s,
             rate_burst=burst,
+            secret_headers=tuple(data["X"].items()) if "X" in data else (),
         )
     return AmqpPlan(
         exchange=data["x"],
@@ -140,7 +143,7 @@ def encode(plan: Plan) -> bytes:
             misfire.limit,
         ]
     if plan.exclude:
-        out["X"] = [
+        out["E"] = [
             item.expr if isinstance(item, CronExclusion) else [item.from_ms, item.to_ms]
             for item in plan.exclude
         ]
@@ -153,7 +156,7 @@ def encode(plan: Plan) -> bytes:
 def _decode_exclusions(data: dict[str, Any]) -> tuple[Exclusion, ...]:
     return tuple(
         CronExclusion(item) if isinstance(item, str) else RangeExclusion(item[0], item[1])
-        for item in data.get("X", ())
+        for item in data.get("E", ())
     )
 
 

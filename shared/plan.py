@@ -74,6 +74,8 @@ class WebhookPlan:
     #: Deliveries per second allowed to the rate key (None: no limit).
     rate_per_s: float | None = None
     rate_burst: int = 1
+    #: (header, secret name): the value is read at delivery, never carried.
+    secret_headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,7 @@ def _target_of(target: models.WebhookTarget | models.AmqpTarget) -> TargetPlan:
             rate_key=target.rate_key,
             rate_per_s=per_s,
             rate_burst=burst,
+            secret_headers=tuple(target.secret_headers.items()),
         )
     return AmqpPlan(
         exchange=target.exchange,

@@ -370,6 +370,7 @@ class Intake:
                     placement.fires,
                     placement.last_fire_ms,
                     placement.next_nominal,
+                    placement.rotation_version(version),
                 ),
             )
             reply = {"ok": True, "created": not live, "schedule": view(row, now)}
@@ -609,6 +610,7 @@ def _next_version(
         placement.fires,
         placement.last_fire_ms,
         placement.next_nominal,
+        placement.rotation_version(version),
     )
 
 
