@@ -315,6 +315,7 @@ class Executor:
             now = await self.begin(occ)
             if now is None:
                 return
+            begun = self.now_ms()
             chosen = settle.missed_choice(occ, now)
             if chosen == occ.nominal_ms:
                 admission = await self.limits.admit(occ)
@@ -327,7 +328,8 @@ class Executor:
                 outcome, started, finished = await self._deliver(occ, key)
                 # Clocks: the host times the attempt; what it decides (the misfire, the next
                 # run of an after_completion schedule) is placed on the Redis clock.
-                settled_now = now + (finished - started)
+                # (From `begun`: the rate gate and a reserved wait take time too.)
+                settled_now = now + (finished - begun)
         if chosen == occ.nominal_ms:
             outcome = self.limits.capped(outcome)
             await self.limits.report(occ, admission, outcome)
