@@ -168,7 +168,9 @@ async def _redis_used_memory(url: str) -> int:
         await client.aclose()
 
 
-async def _import(found: Corner, lines: Iterator[bytes]) -> tuple[int, float]:
+async def _import(
+    found: Corner, lines: Iterator[bytes], namespace: str = NAMESPACE
+) -> tuple[int, float]:
     settings = CommonSettings(
         **{  # type: ignore[arg-type]
             "redis_url": found.redis_url,
@@ -182,7 +184,7 @@ async def _import(found: Corner, lines: Iterator[bytes]) -> tuple[int, float]:
     started = time.monotonic()
     try:
         result = await bulk.import_lines(
-            lines, NAMESPACE, store, idx, LOCAL_POLICY, app_id="cronbus-bench"
+            lines, namespace, store, idx, LOCAL_POLICY, app_id="cronbus-bench"
         )
     finally:
         await store.close()
@@ -296,6 +298,55 @@ async def _herd_measured(
     cpu_s = run.cpu_seconds() - cpu_before
     await asyncio.sleep(args.settle_s)  # late duplicates, if any, arrive meanwhile
     return herd_figures(n, due_ms, list(sink.received), bytes_per, import_s, cpu_s)
+
+
+# --- fairness -------------------------------------------------------------------------------
+
+FAIR_HERD_NAMESPACE = "tenant-a"
+FAIR_SMALL_NAMESPACE = "tenant-b"
+
+
+def fairness_figures(n: int, small: int, due_ms: int, received: list[Received]) -> dict[str, Any]:
+    """B's lateness while A's herd drains: every first attempt, split by namespace."""
+    herd = [r for r in received if r.attempt == 1 and r.schedule.startswith("tenant-a/")]
+    few = [r for r in received if r.attempt == 1 and r.schedule.startswith("tenant-b/")]
+    late_b = [r.at_ms - due_ms for r in few]
+    herd_last = max((r.at_ms for r in herd), default=due_ms)
+    return {
+        "herd_n": n,
+        "small_n": small,
+        "herd_drain_s": round((herd_last - due_ms) / 1000, 3),
+        "small_p50_ms": round(_percentile(late_b, 0.50), 1),
+        "small_p99_ms": round(_percentile(late_b, 0.99), 1),
+        "small_max_ms": round(max(late_b, default=math.nan), 1),
+        "small_done_before_herd": bool(few) and max(r.at_ms for r in few) < herd_last,
+        "lost": n + small - len({(r.schedule, r.fire_time) for r in received}),
+    }
+
+
+async def _fairness(args: argparse.Namespace) -> dict[str, Any]:
+    return await _with_services(args, _fairness_measured)
+
+
+async def _fairness_measured(
+    args: argparse.Namespace, found: Corner, run: Run, sink: Sink
+) -> dict[str, Any]:
+    n, small = args.n, args.small
+    lead_s = args.lead_s if args.lead_s is not None else 5 + n / 4000
+    due_ms = (int((time.time() + lead_s) * 1000) // 1000 + 1) * 1000
+    await _import(found, herd_lines(n, due_ms, f"{sink.url}/a"), FAIR_HERD_NAMESPACE)
+    await _import(found, herd_lines(small, due_ms, f"{sink.url}/b"), FAIR_SMALL_NAMESPACE)
+    if time.time() * 1000 >= due_ms:
+        raise CliError("the import took past the due instant: raise --lead-s")
+    await asyncio.sleep(max(due_ms / 1000 - time.time(), 0))
+    await sink.wait_for(lambda s: len(s.received) >= n + small, timeout_s=args.timeout_s)
+    await asyncio.sleep(args.settle_s)
+    return fairness_figures(n, small, due_ms, list(sink.received))
+
+
+def run_fairness(args: argparse.Namespace) -> int:
+    _emit(args, asyncio.run(_fairness(args)))
+    return 0
 
 
 # --- steady ---------------------------------------------------------------------------------
@@ -472,6 +523,15 @@ def add_parser(sub: Any) -> None:
     herd.add_argument("--n", type=int, default=10_000)
     herd.add_argument("--timeout-s", type=float, default=300)
     herd.set_defaults(handler=run_herd)
+    fairness = kinds.add_parser(
+        "fairness",
+        help="a herd of N due at once in one namespace and a few in another: "
+        "how late the few are while the herd drains",
+    )
+    fairness.add_argument("--n", type=int, default=100_000, help="the herd (namespace tenant-a)")
+    fairness.add_argument("--small", type=int, default=100, help="the few (namespace tenant-b)")
+    fairness.add_argument("--timeout-s", type=float, default=300)
+    fairness.set_defaults(handler=run_fairness)
     steady = kinds.add_parser("steady", help="N schedules firing R times a second in total")
     steady.add_argument("--schedules", type=int, default=1000)
     steady.add_argument("--rate", type=float, default=1000, help="fires per second in total")
@@ -490,7 +550,7 @@ def add_parser(sub: Any) -> None:
     from cronbus import bench_intake  # noqa: PLC0415 - it builds on this module
 
     intake = bench_intake.add_kind(kinds)
-    for kind in (herd, steady, rebuild, intake):
+    for kind in (herd, fairness, steady, rebuild, intake):
         kind.add_argument("--json", action="store_true", help="one JSON line of figures")
         kind.add_argument(
             "--executors",

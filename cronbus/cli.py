@@ -77,6 +77,13 @@ def _add_preview(sub: Subparsers) -> None:
     p.add_argument("--every-s", type=float, dest="every_s", help="interval in seconds")
     p.add_argument("--after", required=True, help="RFC 3339 instant; times strictly after it")
     p.add_argument("--count", type=int, default=10, help="how many times to print (default 10)")
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        help="skip these times (repeatable): a cron expression matched in the zone, "
+        "FROM/TO (two RFC 3339 instants), or a spec.exclude entry as JSON",
+    )
     p.set_defaults(handler=preview_cmd.run)
 
 

@@ -7,24 +7,42 @@ import argparse
 import pydantic
 
 from cronbus.common import CliError
-from shared import models, schedule, timefmt, validation
+from shared import codec, models, schedule, timefmt, validation
 from shared.plan import Plan, plan_of
 
 MAX_COUNT = 10_000
 _FLAGS = {"expr": "--cron", "timezone": "--timezone", "every_s": "--every-s"}
 
 
+def exclusion_of(text: str) -> object:
+    """One ``--exclude``: a JSON ``spec.exclude`` entry, ``FROM/TO`` (RFC 3339), or a cron."""
+    if text.lstrip().startswith("{"):
+        try:
+            return codec.loads(text)
+        except codec.DecodeError:
+            raise CliError(f"--exclude {text!r}: is not valid JSON") from None
+    start, slash, end = text.partition("/")
+    if slash and "T" in start and "T" in end:
+        return {"from": start, "to": end}
+    return {"cron": text}
+
+
 def _spec_of(args: argparse.Namespace) -> dict[str, object]:
     if (args.cron is None) == (args.every_s is None):
         raise CliError("give exactly one of --cron or --every-s")
+    spec: dict[str, object]
     if args.cron is not None:
-        spec: dict[str, object] = {"kind": "cron", "expr": args.cron}
+        spec = {"kind": "cron", "expr": args.cron}
         if args.timezone is not None:
             spec["timezone"] = args.timezone
-        return spec
-    if args.timezone is not None:
+    elif args.timezone is not None:
         raise CliError("--timezone applies to --cron only")
-    return {"kind": "interval", "every_s": args.every_s}
+    else:
+        spec = {"kind": "interval", "every_s": args.every_s}
+    excludes = getattr(args, "exclude", None) or []
+    if excludes:
+        spec["exclude"] = [exclusion_of(text) for text in excludes]
+    return spec
 
 
 def _plan_of(spec: dict[str, object]) -> Plan:
@@ -34,7 +52,12 @@ def _plan_of(spec: dict[str, object]) -> Plan:
         )
     except pydantic.ValidationError as exc:
         problem = validation.field_errors(exc)[0]
-        flag = _FLAGS.get(problem["field"].rpartition(".")[2], problem["field"])
+        field = problem["field"]
+        flag = (
+            "--exclude"
+            if field.startswith("spec.exclude")
+            else _FLAGS.get(field.rpartition(".")[2], field)
+        )
         raise CliError(f"{flag}: {problem['reason']}") from None
     return plan_of(item, version=1)
 
@@ -61,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     plan = _plan_of(_spec_of(args))
     times = fire_times(plan, after_ms, args.count)
     if not times:
+        if plan.exclude:
+            raise CliError("--exclude: excludes every fire time within 10 years")
         raise CliError("--cron: never fires: no matching time within 10 years")
     for ms in times:
         print(timefmt.format_ms(ms))

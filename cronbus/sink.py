@@ -61,6 +61,8 @@ class Sink:
     keep: bool = True
     #: Answer every request this long after it arrived (a slow target).
     delay_s: float = 0.0
+    #: Extra response headers by status, e.g. ``{429: {"Retry-After": "3"}}``.
+    headers_by_status: dict[int, dict[str, str]] = field(default_factory=dict)
     received: list[Received] = field(default_factory=list)
     count: int = 0
     port: int = 0
@@ -162,9 +164,13 @@ class _Protocol(asyncio.Protocol):
             return
         reason = _REASONS.get(status, "Status")
         connection = b"close" if close else b"keep-alive"
+        extra = "".join(
+            f"{name}: {value}\r\n"
+            for name, value in self.sink.headers_by_status.get(status, {}).items()
+        )
         self.transport.write(
-            b"HTTP/1.1 %d %s\r\nContent-Length: 0\r\nConnection: %s\r\n\r\n"
-            % (status, reason.encode(), connection)
+            b"HTTP/1.1 %d %s\r\n%sContent-Length: 0\r\nConnection: %s\r\n\r\n"
+            % (status, reason.encode(), extra.encode("latin-1"), connection)
         )
         if close:
             self.transport.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared import codec
+from shared.exclusion import CronExclusion, Exclusion, RangeExclusion
 from shared.plan import (
     AfterCompletionRule,
     AmqpPlan,
@@ -76,12 +77,17 @@ def _encode_target(target: TargetPlan, out: dict[str, Any]) -> None:
         out["B"] = codec.Fragment(target.body)
     if target.timeout_ms != _DEFAULT_TIMEOUT_MS:
         out["T"] = target.timeout_ms
+    if target.rate_key is not None:
+        out["K"] = target.rate_key
+    if target.rate_per_s is not None:
+        out["L"] = [target.rate_per_s, target.rate_burst]
 
 
 def _decode_target(data: dict[str, Any]) -> TargetPlan:
     encoded = codec.dumps(data["B"]) if "B" in data else None
     timeout_ms = data.get("T", _DEFAULT_TIMEOUT_MS)
     headers = tuple(data["H"].items()) if "H" in data else ()
+    per_s, burst = data.get("L", (None, 1))
     if "u" in data:
         codes = data.get("S")
         return WebhookPlan(
@@ -91,6 +97,9 @@ def _decode_target(data: dict[str, Any]) -> TargetPlan:
             body=encoded,
             timeout_ms=timeout_ms,
             success_codes=frozenset(codes) if codes is not None else None,
+            rate_key=data.get("K"),
+            rate_per_s=per_s,
+            rate_burst=burst,
             secret_headers=tuple(data["X"].items()) if "X" in data else (),
         )
     return AmqpPlan(
@@ -99,6 +108,9 @@ def _decode_target(data: dict[str, Any]) -> TargetPlan:
         headers=headers,
         body=encoded,
         timeout_ms=timeout_ms,
+        rate_key=data.get("K"),
+        rate_per_s=per_s,
+        rate_burst=burst,
     )
 
 
@@ -130,8 +142,22 @@ def encode(plan: Plan) -> bytes:
             misfire.window_ms,
             misfire.limit,
         ]
+    if plan.exclude:
+        out["E"] = [
+            item.expr if isinstance(item, CronExclusion) else [item.from_ms, item.to_ms]
+            for item in plan.exclude
+        ]
+    if plan.pause_after_failures is not None:
+        out["P"] = plan.pause_after_failures
     _encode_target(plan.target, out)
     return codec.dumps(out)
+
+
+def _decode_exclusions(data: dict[str, Any]) -> tuple[Exclusion, ...]:
+    return tuple(
+        CronExclusion(item) if isinstance(item, str) else RangeExclusion(item[0], item[1])
+        for item in data.get("E", ())
+    )
 
 
 _VERSION_PREFIX = b'{"v":'
@@ -176,4 +202,6 @@ def decode_object(data: dict[str, Any]) -> Plan:
         misfire=MisfireRule(_POLICY_NAMES[misfire[0]], misfire[1], misfire[2], misfire[3])
         if misfire
         else _DEFAULT_MISFIRE,
+        exclude=_decode_exclusions(data),
+        pause_after_failures=data.get("P"),
     )

@@ -52,6 +52,8 @@ class CommonSettings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: json: one JSON object per line; text: for people at a terminal.
     log_format: Literal["json", "text"] = "json"
+    #: JSON file of per-namespace quotas (see shared.quotas); empty: no quotas.
+    quotas_file: str = ""
 
 
 class WebhookPolicySettings(CommonSettings):
@@ -147,6 +149,14 @@ class ExecutorSettings(WebhookPolicySettings):
     audit_buffer_max: int = Field(default=200_000, ge=1000)
     #: Which outcomes go to cronbus.events: all, failures (failed, dead) or none.
     events: Literal["all", "failures", "none"] = "all"
+    #: Longest hold a Retry-After (of a 429 or 503) puts on its rate key.
+    max_retry_after_s: float = Field(default=3600, ge=0, le=86_400)
+    #: Consecutive failed attempts to a rate key that open its circuit breaker.
+    breaker_failures: int = Field(default=20, ge=1, le=1_000_000)
+    #: How long an open breaker holds its rate key before one probe is let through.
+    breaker_cooldown_s: float = Field(default=30, gt=0, le=86_400)
+    #: Namespaces that get their own label in per-namespace metrics; the rest are 'other'.
+    metrics_max_namespaces: int = Field(default=100, ge=0, le=10_000)
 
 
 class SweeperSettings(CommonSettings):

@@ -56,3 +56,7 @@ class ValidationFailed(CronbusError):
         self.code = code
         self.details = details or []
         super().__init__(message)
+
+
+class ConfigError(CronbusError):
+    """A setting (or a file it names) is not valid."""

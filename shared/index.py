@@ -296,6 +296,78 @@ class Index:
         replies = await self._pipeline(calls)
         return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
 
+    async def count_failures(self, items: dict[int, list[tuple[str, str]]]) -> dict[int, list[int]]:
+        """Per shard, (member, 'dead' | 'clear') -> consecutive dead occurrences after the call."""
+        calls = [
+            ("failures", [self.keys.fails(s)], [v for item in batch for v in item])
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def gate(
+        self,
+        items: Sequence[tuple[str, float, int, int]],
+        breaker_failures: int,
+        max_reserve_ms: int,
+        now_ms: int | None = None,
+    ) -> list[tuple[int, int, int]]:
+        """(rate key, interval ms or 0, burst, probe ms) -> (code, ms, flags) per delivery:
+        one gate.lua call for the batch (see the script for the codes)."""
+        call_keys: list[str] = []
+        args: list[Any] = [_opt(now_ms), breaker_failures, max_reserve_ms]
+        for rate_key, interval, burst, probe_ms in items:
+            call_keys += self.keys.rate(rate_key)
+            args += [f"{interval:.3f}", burst, probe_ms]
+        reply = await lua.call(self.client, "gate", call_keys, args)
+        return [
+            (int(reply[i]), int(reply[i + 1]), int(reply[i + 2])) for i in range(0, len(reply), 3)
+        ]
+
+    async def report(
+        self,
+        items: Sequence[tuple[str, bool, int | None]],
+        breaker_failures: int,
+        cooldown_ms: int,
+        idle_ms: int,
+        now_ms: int | None = None,
+    ) -> list[int]:
+        """(rate key, ok, retry_after ms) -> 0 no change, 1 breaker closed, 2 breaker opened."""
+        call_keys: list[str] = []
+        args: list[Any] = [_opt(now_ms), breaker_failures, cooldown_ms, idle_ms]
+        for rate_key, ok, retry_after in items:
+            _, hold, breaker = self.keys.rate(rate_key)
+            call_keys += [hold, breaker]
+            args += [int(ok), _opt(retry_after)]
+        return [int(code) for code in await lua.call(self.client, "report", call_keys, args)]
+
+    async def breaker_state(self, rate_key: str) -> tuple[int, int, int, int]:
+        """(consecutive failures, open until ms, probe until ms, hold until ms) of a rate key."""
+        _, hold, breaker = self.keys.rate(rate_key)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(breaker, ["fails", "open_until", "probe_until"])
+        pipe.get(hold)
+        (fails, open_until, probe_until), held = await pipe.execute()
+        return (
+            int(fails or 0),
+            int(float(open_until or 0)),
+            int(float(probe_until or 0)),
+            int(float(held or 0)),
+        )
+
+    async def defer(self, items: dict[int, list[tuple[str, int, int]]]) -> dict[int, list[int]]:
+        """Per shard, (member, token, at ms) -> 1 deferred (flagged catch-up) or 0 stale."""
+        calls = [
+            (
+                "defer",
+                self._keys(s, "due", "lease", "occ"),
+                [v for item in batch for v in item],
+            )
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
     async def release(
         self, items: dict[int, list[tuple[str, int]]], now_ms: int | None = None
     ) -> dict[int, list[int]]:

@@ -62,6 +62,16 @@ class RedisKeys:
         """HASH member -> current occurrence ``nominal|attempt|token|fires[|flags]``."""
         return f"{self.prefix}:{{{shard}}}:occ"
 
+    def fails(self, shard: int) -> str:
+        """HASH ``ns/id`` -> consecutive occurrences ended dead (pause_after_failures only)."""
+        return f"{self.prefix}:{{{shard}}}:fails"
+
+    def rate(self, rate_key: str) -> tuple[str, str, str]:
+        """(tat, hold, breaker) of a namespaced rate key: its GCRA slot, its Retry-After hold
+        and its circuit breaker. All rate keys share one hash tag, so a batch is one call."""
+        base = f"{self.prefix}:{{rate}}:"
+        return (base + "tat:" + rate_key, base + "hold:" + rate_key, base + "brk:" + rate_key)
+
     def gone(self, shard: int) -> str:
         """HASH ``ns/id`` -> ``version|ms|kind``: tombstones of schedules deleted (``d``) or
         finished (``f``) at that version, so no write of an older one (a rebuild, a repair)

@@ -91,6 +91,57 @@ AUDIT_BUFFERED = Gauge(
 )
 AUDIT_WRITTEN = Counter("cronbus_audit_rows_written_total", "Execution rows written.")
 EVENTS = Counter("cronbus_events_total", "Events published to cronbus.events.", ["outcome"])
+NAMESPACE_OUTCOMES = Counter(
+    "cronbus_namespace_outcomes_total",
+    "Occurrence outcomes per namespace: succeeded, failed (an attempt), dead, skipped, "
+    "excluded. Namespaces past CRONBUS_METRICS_MAX_NAMESPACES count as 'other'.",
+    ["namespace", "outcome"],
+)
+AUTO_PAUSED = Counter(
+    "cronbus_auto_paused_total",
+    "Schedules paused by pause_after_failures, per namespace (bounded as above).",
+    ["namespace"],
+)
+
+RATE_WAITS = Counter(
+    "cronbus_rate_waits_total",
+    "Deliveries that waited for a reserved slot of their rate limit, per namespace.",
+    ["namespace"],
+)
+RATE_HELD = Counter(
+    "cronbus_rate_held_total",
+    "Occurrences put back into due by their rate key (Retry-After hold, open breaker, or a "
+    "rate limit far ahead), per namespace; their attempt is kept.",
+    ["namespace"],
+)
+BREAKER_TRANSITIONS = Counter(
+    "cronbus_breaker_transitions_total",
+    "Circuit breakers of rate keys opened or closed, per namespace and new state.",
+    ["namespace", "state"],
+)
+
+
+class NamespaceLabels:
+    """Bounded label values for namespaces: the first ``limit`` namespaces seen keep their
+    name, the rest are 'other', so a tenant creating namespaces cannot blow up the series."""
+
+    OTHER = "other"
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.named: set[str] = set()
+
+    def __call__(self, namespace: str) -> str:
+        if namespace in self.named:
+            return namespace
+        if len(self.named) < self.limit and namespace != self.OTHER:
+            self.named.add(namespace)
+            return namespace
+        return self.OTHER
+
+
+#: Set from CRONBUS_METRICS_MAX_NAMESPACES when the executor starts.
+NAMESPACES = NamespaceLabels(100)
 
 # --- sweeper ------------------------------------------------------------------------------
 RECLAIMED = Counter("cronbus_reclaimed_total", "Expired leases put back into due.")
@@ -158,6 +209,11 @@ OWNERS: dict[str, tuple[object, ...]] = {
         AUDIT_BUFFERED,
         AUDIT_WRITTEN,
         EVENTS,
+        NAMESPACE_OUTCOMES,
+        AUTO_PAUSED,
+        RATE_WAITS,
+        RATE_HELD,
+        BREAKER_TRANSITIONS,
         DEAD_LETTERED,
         DEPENDENCY_UP,
     ),

@@ -11,7 +11,7 @@ import functools
 import re
 import zoneinfo
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -21,8 +21,10 @@ from pydantic import (
     Field,
     JsonValue,
     PlainSerializer,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -51,6 +53,7 @@ MAX_LABELS = 64
 MAX_LABEL_VALUE = 256
 MAX_HEADERS = 64
 MAX_HEADER_VALUE = 4096
+MAX_EXCLUSIONS = 100
 VERBS = ("upsert", "delete", "pause", "resume", "trigger", "get", "list", "upsert_many")
 #: Most schedules one upsert_many command carries.
 MAX_UPSERT_MANY = 1000
@@ -88,6 +91,47 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class Exclusion(Strict):
+    """One ``spec.exclude`` entry: ``{"cron": expr}`` or ``{"from": t, "to": t}``."""
+
+    #: Matched against the occurrence's local time in the schedule's zone (UTC without one).
+    cron: str | None = Field(default=None, min_length=1, max_length=256)
+    #: Start of an excluded range (inclusive).
+    from_: Instant | None = Field(default=None, alias="from")
+    #: End of an excluded range (exclusive).
+    to: Instant | None = None
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, populate_by_name=False, serialize_by_alias=True
+    )
+
+    @model_serializer(mode="wrap")
+    def _only_the_given_form(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped: dict[str, Any] = handler(self)
+        return {name: value for name, value in dumped.items() if value is not None}
+
+    @field_validator("cron")
+    @classmethod
+    def _cron_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                cron.parse(value)
+            except cron.CronError as exc:
+                raise ValueError(exc.reason) from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Exclusion:
+        ranged = self.from_ is not None or self.to is not None
+        if self.cron is not None and ranged:
+            raise ValueError('give either "cron" or "from" and "to", not both')
+        if self.cron is None and (self.from_ is None or self.to is None):
+            raise ValueError('needs "cron", or both "from" and "to"')
+        if self.from_ is not None and self.to is not None and self.to <= self.from_:
+            raise ValueError('"to" must be after "from"')
+        return self
+
+
 class SpecCommon(Strict):
     #: No fire before this instant (an interval's grid is anchored here).
     start_at: Instant | None = None
@@ -95,6 +139,8 @@ class SpecCommon(Strict):
     end_at: Instant | None = None
     #: Stop after this many regular fires.
     max_fires: int | None = Field(default=None, ge=1)
+    #: Nominal times that are not delivered (holidays, maintenance windows).
+    exclude: list[Exclusion] = Field(default_factory=list, max_length=MAX_EXCLUSIONS)
 
     @model_validator(mode="after")
     def _window_is_ordered(self) -> SpecCommon:
@@ -165,6 +211,24 @@ def _check_headers(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
+class RateLimit(Strict):
+    """``target.rate_limit``: deliveries to the target's rate key, across all executors."""
+
+    #: Sustained deliveries per second.
+    per_s: float = Field(gt=0, le=100_000)
+    #: Deliveries that may go at once after a quiet spell (default: one second's worth).
+    burst: int | None = Field(default=None, ge=1, le=100_000)
+
+
+RATE_KEY_RE = re.compile(r"^[!-~]{1,200}$")
+
+
+def _check_rate_key(value: str | None) -> str | None:
+    if value is not None and not RATE_KEY_RE.match(value):
+        raise ValueError("must be 1-200 printable ASCII characters without spaces")
+    return value
+
+
 class WebhookTarget(Strict):
     kind: Literal["webhook"]
     url: str = Field(min_length=1, max_length=2048)
@@ -178,6 +242,15 @@ class WebhookTarget(Strict):
     #: Header name -> name of a secret read at delivery from CRONBUS_SECRETS_DIR/<namespace>/;
     #: only the names are stored.
     secret_headers: dict[str, str] = Field(default_factory=dict)
+    rate_limit: RateLimit | None = None
+    #: Deliveries sharing a rate key share its limit, Retry-After holds and breaker (within
+    #: the namespace); default scheme://host:port of the URL.
+    rate_key: str | None = None
+
+    @field_validator("rate_key")
+    @classmethod
+    def _rate_key_is_printable(cls, value: str | None) -> str | None:
+        return _check_rate_key(value)
 
     @field_validator("url")
     @classmethod
@@ -238,6 +311,14 @@ class AmqpTarget(Strict):
     body: JsonValue = None
     #: How long to wait for the broker's publisher confirm.
     timeout_s: float = Field(default=10, gt=0, le=300)
+    rate_limit: RateLimit | None = None
+    #: Default: the exchange (``amqp:<exchange>``).
+    rate_key: str | None = None
+
+    @field_validator("rate_key")
+    @classmethod
+    def _rate_key_is_printable(cls, value: str | None) -> str | None:
+        return _check_rate_key(value)
 
     @field_validator("exchange", "routing_key")
     @classmethod
@@ -309,6 +390,9 @@ READ_ONLY_REASONS = {
     "fires": "is read-only",
     "created_at": "is read-only",
     "updated_at": "is read-only",
+    "stats": "is read-only",
+    "breaker": "is read-only",
+    "paused_reason": "is read-only; pause_after_failures sets it, resume clears it",
 }
 ReadOnly = Annotated[None, Field(exclude=True)]
 
@@ -328,6 +412,8 @@ class Schedule(Strict):
     #: Create (or keep) the schedule paused.
     paused: bool = False
     labels: dict[str, str] = Field(default_factory=dict)
+    #: Pause the schedule after this many consecutive occurrences ended dead (none: never).
+    pause_after_failures: int | None = Field(default=None, ge=1, le=1000)
 
     # Fields that replies show but cronbus assigns.
     version: ReadOnly = None
@@ -338,6 +424,9 @@ class Schedule(Strict):
     fires: ReadOnly = None
     created_at: ReadOnly = None
     updated_at: ReadOnly = None
+    stats: ReadOnly = None
+    paused_reason: ReadOnly = None
+    breaker: ReadOnly = None
 
     @field_validator(
         "version",
@@ -348,6 +437,9 @@ class Schedule(Strict):
         "fires",
         "created_at",
         "updated_at",
+        "stats",
+        "paused_reason",
+        "breaker",
         mode="plain",
     )
     @classmethod

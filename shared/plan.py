@@ -7,10 +7,12 @@ needs: the rule, its bounds, jitter, retry and misfire policies, and the target.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from shared import codec, models, timefmt
+from shared.exclusion import CronExclusion, Exclusion, RangeExclusion
 
 RuleKind = Literal["cron", "interval", "after_completion", "once"]
 MisfirePolicy = Literal["skip", "fire_once", "fire_all"]
@@ -67,6 +69,11 @@ class WebhookPlan:
     timeout_ms: int = 10_000
     #: None: any 2xx.
     success_codes: frozenset[int] | None = None
+    #: The user's rate key (None: scheme://host:port of the URL).
+    rate_key: str | None = None
+    #: Deliveries per second allowed to the rate key (None: no limit).
+    rate_per_s: float | None = None
+    rate_burst: int = 1
     #: (header, secret name): the value is read at delivery, never carried.
     secret_headers: tuple[tuple[str, str], ...] = ()
 
@@ -78,6 +85,10 @@ class AmqpPlan:
     headers: tuple[tuple[str, str | int | float | bool], ...] = ()
     body: bytes | None = None
     timeout_ms: int = 10_000
+    #: The user's rate key (None: the exchange).
+    rate_key: str | None = None
+    rate_per_s: float | None = None
+    rate_burst: int = 1
 
 
 TargetPlan = WebhookPlan | AmqpPlan
@@ -94,6 +105,10 @@ class Plan:
     jitter_ms: int = 0
     retry: RetryRule = RetryRule()
     misfire: MisfireRule = MisfireRule()
+    #: Nominal times the rotation skips (``spec.exclude``).
+    exclude: tuple[Exclusion, ...] = ()
+    #: Pause the schedule after this many consecutive occurrences ended dead (None: never).
+    pause_after_failures: int | None = None
 
 
 def seconds_to_ms(seconds: float) -> int:
@@ -112,8 +127,16 @@ def _rule_of(
     return OnceRule(timefmt.datetime_to_ms(spec.at))
 
 
+def _burst_of(limit: models.RateLimit | None) -> int:
+    if limit is None:
+        return 1
+    return limit.burst if limit.burst is not None else max(1, math.ceil(limit.per_s))
+
+
 def _target_of(target: models.WebhookTarget | models.AmqpTarget) -> TargetPlan:
     body = None if target.body is None else codec.dumps(target.body)
+    per_s = target.rate_limit.per_s if target.rate_limit is not None else None
+    burst = _burst_of(target.rate_limit)
     if isinstance(target, models.WebhookTarget):
         return WebhookPlan(
             url=target.url,
@@ -122,6 +145,9 @@ def _target_of(target: models.WebhookTarget | models.AmqpTarget) -> TargetPlan:
             body=body,
             timeout_ms=seconds_to_ms(target.timeout_s),
             success_codes=frozenset(target.success_codes) if target.success_codes else None,
+            rate_key=target.rate_key,
+            rate_per_s=per_s,
+            rate_burst=burst,
             secret_headers=tuple(target.secret_headers.items()),
         )
     return AmqpPlan(
@@ -130,6 +156,9 @@ def _target_of(target: models.WebhookTarget | models.AmqpTarget) -> TargetPlan:
         headers=tuple(target.headers.items()),
         body=body,
         timeout_ms=seconds_to_ms(target.timeout_s),
+        rate_key=target.rate_key,
+        rate_per_s=per_s,
+        rate_burst=burst,
     )
 
 
@@ -140,6 +169,18 @@ def _misfire_of(
     if isinstance(misfire, models.FireAllMisfire):
         return MisfireRule("fire_all", grace_ms, seconds_to_ms(misfire.window_s), misfire.limit)
     return MisfireRule(misfire.policy, grace_ms)
+
+
+def _exclusions_of(entries: list[models.Exclusion]) -> tuple[Exclusion, ...]:
+    return tuple(
+        CronExclusion(entry.cron)
+        if entry.cron is not None
+        else RangeExclusion(
+            timefmt.datetime_to_ms(entry.from_) if entry.from_ else 0,
+            timefmt.datetime_to_ms(entry.to) if entry.to else 0,
+        )
+        for entry in entries
+    )
 
 
 def plan_of(schedule: models.Schedule, version: int) -> Plan:
@@ -162,15 +203,18 @@ def plan_of(schedule: models.Schedule, version: int) -> Plan:
             full_jitter=retry.full_jitter,
         ),
         misfire=_misfire_of(schedule.misfire),
+        exclude=_exclusions_of(spec.exclude),
+        pause_after_failures=schedule.pause_after_failures,
     )
 
 
 def same_rotation(a: Plan, b: Plan) -> bool:
     """True when both plans fire at the same nominal times, so a running rotation can be kept."""
-    return (a.rule, a.start_ms, a.end_ms, a.max_fires, a.jitter_ms) == (
+    return (a.rule, a.start_ms, a.end_ms, a.max_fires, a.jitter_ms, a.exclude) == (
         b.rule,
         b.start_ms,
         b.end_ms,
         b.max_fires,
         b.jitter_ms,
+        b.exclude,
     )

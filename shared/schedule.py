@@ -17,7 +17,7 @@ import uuid
 import zoneinfo
 from datetime import UTC, tzinfo
 
-from shared import cron, timefmt
+from shared import cron, exclusion, timefmt
 from shared.plan import AfterCompletionRule, CronRule, IntervalRule, OnceRule, Plan
 
 #: The namespace of the UUIDv5 idempotency keys (a fixed, arbitrary UUID: never change it).
@@ -43,11 +43,73 @@ def _interval_anchor(plan: Plan) -> int:
     return plan.start_ms if plan.start_ms is not None else 0
 
 
+#: Most excluded spans one search steps over before it gives up (each step skips a whole
+#: range, or the minute, hour or day a cron exclusion covers).
+MAX_EXCLUDED_STEPS = 10_000
+
+
+def exclusion_zone(plan: Plan) -> tzinfo:
+    """The zone exclusions are read in: the cron rule's, else UTC."""
+    return zone(plan.rule.timezone) if isinstance(plan.rule, CronRule) else UTC
+
+
 def next_nominal(plan: Plan, after_ms: int) -> int | None:
-    """The first nominal time strictly after ``after_ms`` inside the plan's window, or None.
+    """The first nominal time strictly after ``after_ms`` inside the plan's window that is not
+    excluded, or None.
 
     For ``after_completion`` there is no such time without a completion: use ``following``.
     """
+    found, _ = next_nominal_counted(plan, after_ms)
+    return found
+
+
+def next_nominal_counted(plan: Plan, after_ms: int) -> tuple[int | None, int]:
+    """``next_nominal`` and how many excluded times it stepped over to get there (counted up
+    to ``MAX_COUNTED_PER_SPAN`` per excluded span of a cron rule)."""
+    found = _next_by_rule(plan, after_ms)
+    if not plan.exclude:
+        return found, 0
+    tz = exclusion_zone(plan)
+    steps = skipped = 0
+    while found is not None:
+        resume = exclusion.skip_after(plan.exclude, tz, found)
+        if resume is None:
+            return found, skipped
+        steps += 1
+        if steps > MAX_EXCLUDED_STEPS:
+            return None, skipped
+        skipped += 1 + _rule_times_within(plan, found, resume)
+        found = _next_by_rule(plan, resume)
+    return None, skipped
+
+
+#: A cron rule's excluded span holding more times than this counts as this many (an interval
+#: rule's are counted exactly).
+MAX_COUNTED_PER_SPAN = 1000
+
+
+def _rule_times_within(plan: Plan, after_ms: int, until_ms: int) -> int:
+    """How many rule times fall in ``(after_ms, until_ms]`` (capped for cron rules)."""
+    rule = plan.rule
+    if isinstance(rule, IntervalRule):
+        return (until_ms - after_ms) // rule.every_ms
+    count = 0
+    current = _next_by_rule(plan, after_ms)
+    while current is not None and current <= until_ms and count < MAX_COUNTED_PER_SPAN:
+        count += 1
+        current = _next_by_rule(plan, current)
+    return count
+
+
+def is_excluded(plan: Plan, nominal_ms: int) -> bool:
+    return bool(plan.exclude) and exclusion.is_excluded(
+        plan.exclude, exclusion_zone(plan), nominal_ms
+    )
+
+
+def _next_by_rule(plan: Plan, after_ms: int) -> int | None:
+    """The rule's first time strictly after ``after_ms`` inside the window (exclusions not
+    applied)."""
     rule = plan.rule
     if plan.start_ms is not None:
         after_ms = max(after_ms, plan.start_ms - 1)
@@ -65,7 +127,18 @@ def next_nominal(plan: Plan, after_ms: int) -> int | None:
 
 
 def previous_nominal(plan: Plan, before_ms: int, floor_ms: int) -> int | None:
-    """The last nominal time in ``[floor_ms, before_ms)``, or None."""
+    """The last nominal time in ``[floor_ms, before_ms)`` that is not excluded, or None."""
+    found = _previous_by_rule(plan, before_ms, floor_ms)
+    steps = 0
+    while found is not None and is_excluded(plan, found):
+        steps += 1
+        if steps > MAX_EXCLUDED_STEPS:
+            return None
+        found = _previous_by_rule(plan, found, floor_ms)
+    return found
+
+
+def _previous_by_rule(plan: Plan, before_ms: int, floor_ms: int) -> int | None:
     rule = plan.rule
     if plan.end_ms is not None:
         before_ms = min(before_ms, plan.end_ms + 1)
@@ -91,14 +164,14 @@ def _previous_by_search(plan: Plan, before_ms: int, floor_ms: int) -> int | None
     span = 1000
     while True:
         start = max(before_ms - span, floor_ms)
-        found = next_nominal(plan, start - 1)
+        found = _next_by_rule(plan, start - 1)
         if found is not None and found < before_ms:
             break
         if start == floor_ms:
             return None
         span *= 2
     while True:
-        following_fire = next_nominal(plan, found)
+        following_fire = _next_by_rule(plan, found)
         if following_fire is None or following_fire >= before_ms:
             return found
         found = following_fire
@@ -111,11 +184,28 @@ def first_nominal(plan: Plan, now_ms: int) -> int | None:
     """
     rule = plan.rule
     if isinstance(rule, OnceRule):
-        return _within_start(plan, rule.at_ms)
+        at = _within_start(plan, rule.at_ms)
+        return None if at is None or is_excluded(plan, at) else at
     if isinstance(rule, AfterCompletionRule):
         first = plan.start_ms if plan.start_ms is not None else now_ms + rule.delay_ms
-        return _within_end(plan, first)
+        return _within_end(plan, _delay_past_exclusions(plan, first)[0])
     return next_nominal(plan, now_ms - 1)
+
+
+def _delay_past_exclusions(plan: Plan, nominal_ms: int) -> tuple[int, int]:
+    """A fixed-delay time moved to the end of the excluded span it falls in (if any), and
+    how many spans it was moved over."""
+    if not plan.exclude:
+        return nominal_ms, 0
+    tz = exclusion_zone(plan)
+    steps = 0
+    while steps <= MAX_EXCLUDED_STEPS:
+        resume = exclusion.skip_after(plan.exclude, tz, nominal_ms)
+        if resume is None:
+            break
+        nominal_ms = resume + 1
+        steps += 1
+    return nominal_ms, steps
 
 
 def _within_start(plan: Plan, nominal: int) -> int | None:
@@ -126,9 +216,15 @@ def _within_start(plan: Plan, nominal: int) -> int | None:
 
 def following(plan: Plan, nominal_ms: int, finished_ms: int) -> int | None:
     """The rule's next nominal time after the occurrence at ``nominal_ms`` (misfire not applied)."""
+    return following_counted(plan, nominal_ms, finished_ms)[0]
+
+
+def following_counted(plan: Plan, nominal_ms: int, finished_ms: int) -> tuple[int | None, int]:
+    """``following``, and how many excluded spans were stepped over to reach it."""
     if isinstance(plan.rule, AfterCompletionRule):
-        return _within_end(plan, finished_ms + plan.rule.delay_ms)
-    return next_nominal(plan, nominal_ms)
+        moved, steps = _delay_past_exclusions(plan, finished_ms + plan.rule.delay_ms)
+        return _within_end(plan, moved), steps
+    return next_nominal_counted(plan, nominal_ms)
 
 
 def resolve_due(plan: Plan, candidate_ms: int | None, now_ms: int, member: str = "") -> int | None:
@@ -210,7 +306,7 @@ def _replay_start(plan: Plan, first: int, missed_before: int) -> int:
 
 def _count_missed(plan: Plan, first: int, missed_before: int, stop_at: int) -> int:
     rule = plan.rule
-    if isinstance(rule, IntervalRule):
+    if isinstance(rule, IntervalRule) and not plan.exclude:
         return min(stop_at, (missed_before - 1 - first) // rule.every_ms + 1)
     count = 0
     current: int | None = first

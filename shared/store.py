@@ -183,6 +183,8 @@ class ExecutionRow:
     idempotency_key: str
     started_ms: int
     finished_ms: int
+    #: Excluded times (``spec.exclude``) the rotation stepped over after this occurrence.
+    excluded: int = 0
 
 
 @dataclass(slots=True)
@@ -573,6 +575,48 @@ class Store:
             [c.finished for c in batch],
             [c.version for c in batch],
         )
+
+    async def write_stats(self, deltas: Sequence[Any]) -> None:
+        """Per-schedule stats deltas (``shared.stats.Delta``), one statement for the batch."""
+        await self.pool.execute(
+            QUERIES["write_stats"],
+            [d.namespace for d in deltas],
+            [d.id for d in deltas],
+            [d.fires for d in deltas],
+            [d.succeeded for d in deltas],
+            [d.failed for d in deltas],
+            [d.dead for d in deltas],
+            [d.skipped for d in deltas],
+            [d.excluded for d in deltas],
+            [d.trailing_dead for d in deltas],
+            [d.last_status for d in deltas],
+            [d.last_error for d in deltas],
+            [d.last_ms for d in deltas],
+        )
+
+    async def schedule_stats(self, namespace: str, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """id -> its ``schedule_stats`` row, for the given schedules of a namespace."""
+        records = await self.pool.fetch(QUERIES["schedule_stats"], namespace, list(ids))
+        return {record["id"]: dict(record) for record in records}
+
+    async def count_live_schedules(self, conn: Connection, namespace: str) -> int:
+        """Live schedules of a namespace, holding its creation lock until the transaction ends."""
+        record = await conn.fetchrow(QUERIES["count_live_schedules"], namespace)
+        return int(record["live"]) if record is not None else 0
+
+    async def reset_stats(self, conn: Connection, namespace: str, schedule_id: str) -> None:
+        await conn.execute(QUERIES["reset_stats"], namespace, schedule_id)
+
+    async def reset_stats_many(self, conn: Connection, members: Sequence[tuple[str, str]]) -> None:
+        if members:
+            await conn.execute(
+                QUERIES["reset_stats_many"], [ns for ns, _ in members], [i for _, i in members]
+            )
+
+    async def mark_paused_for_failures(
+        self, conn: Connection, namespace: str, schedule_id: str, version: int
+    ) -> None:
+        await conn.execute(QUERIES["mark_paused_for_failures"], namespace, schedule_id, version)
 
     async def recent_executions(
         self, namespace: str, schedule_id: str, limit: int

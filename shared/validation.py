@@ -6,6 +6,7 @@ operator's policy: a spec that never fires, a body that is too big, a target tha
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import ipaddress
@@ -336,6 +337,15 @@ def _firing_problems(plan: Plan, now_ms: int) -> list[FieldError]:
                 }
             ]
     first = schedule.first_nominal(plan, now_ms)
+    if first is None and plan.exclude:
+        unexcluded = dataclasses.replace(plan, exclude=())
+        if schedule.first_nominal(unexcluded, now_ms) is not None:
+            return [
+                {
+                    "field": "spec.exclude",
+                    "reason": "excludes every fire time: the schedule would never fire",
+                }
+            ]
     if first is None:
         return [_no_fire_problem(plan, now_ms)]
     if schedule.resolve_due(plan, first, now_ms) is None:

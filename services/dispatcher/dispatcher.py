@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange
 
-from shared import amqp, delivery, keys, metrics, schedule, transient
+from shared import amqp, delivery, fairness, keys, metrics, schedule, transient
 from shared.config import DispatcherSettings
 from shared.index import Claimed, ClaimResult, Index
 from shared.spans import Spans
@@ -95,6 +95,9 @@ class Dispatcher:
         if self.spans is not None:
             self._claim_span_ns = (claim_start_ns, time.time_ns())
         claimed = [c for result in results for c in result.claimed]
+        if len(claimed) > self.settings.delivery_batch:
+            # Each namespace's first occurrences lead the messages (see shared.fairness).
+            claimed = fairness.interleave(claimed, lambda c: fairness.namespace_of(c.member))
         for result in results:
             if result.orphans:
                 metrics.ORPHANS.inc(result.orphans)

@@ -29,10 +29,13 @@ from shared import (
     codec,
     compact,
     keys,
+    limits,
     metrics,
     models,
+    quotas,
     rotation,
     schedule,
+    stats,
     timefmt,
     transient,
     validation,
@@ -178,6 +181,7 @@ class Intake:
         self.wake = wake
         self.clock = clock
         self.policy = settings.target_policy()
+        self.quotas = quotas.QuotaFile(settings.quotas_file)
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.committer: GroupCommit[batch.Item, dict[str, Any] | Exception] = GroupCommit(
             self._commit_upserts,
@@ -467,7 +471,12 @@ class Intake:
             row = await self.reader.submit((namespace, command.id, audit))
             if row is None or row.state == "deleted":
                 raise not_found(namespace, command.id)
-            return {"ok": True, "schedule": view(row, self.now_ms())}
+            [shown] = await self._with_stats(namespace, [view(row, self.now_ms())])
+            key = limits.rate_key(namespace, compact.decode(row.compact).target)
+            fails, open_until, _, hold_until = await self.index.breaker_state(key)
+            now = self.now_ms()
+            shown["breaker"] = limits.breaker_view(key, fails, open_until, hold_until, now)
+            return {"ok": True, "schedule": shown}
         return await self.trigger(namespace, command.id, audit)
 
     async def upsert_many(
@@ -540,7 +549,17 @@ class Intake:
             applied = await self.store.applied_commands(
                 conn, [(i.namespace, i.message_id) for i in items if i.message_id]
             )
-            effect = batch.apply_upserts(items, stored, now, txn_now, applied)
+            refused = await self._over_quota(conn, items, stored)
+            kept = [item for i, item in enumerate(items) if i not in refused]
+            effect = batch.apply_upserts(kept, stored, now, txn_now, applied)
+            effect.results = _with_refusals(effect.results, refused, len(items))
+            created = [
+                key
+                for key, row in effect.rows.items()
+                if row.state != "deleted"
+                and (stored.get(key) is None or stored[key].state == "deleted")
+            ]
+            await self.store.reset_stats_many(conn, created)
             audits = effect.audits + (more_audits(effect) if more_audits else [])
             await self.store.put_schedules_and_audit(conn, list(effect.rows.values()), audits)
             dropped: list[PendingRun] = []
@@ -549,6 +568,48 @@ class Intake:
                     dropped += await self.store.drop_pending_runs(conn, namespace, schedule_id)
         await self._index_batch(effect, dropped)
         return effect
+
+    async def _over_quota(
+        self,
+        conn: Any,
+        items: Sequence[batch.Item],
+        stored: dict[tuple[str, str], ScheduleRow],
+    ) -> dict[int, ValidationFailed]:
+        """Upserts that would create a schedule in a namespace already at its max_schedules
+        (counted under the namespace's creation lock, so racing creations cannot both pass)."""
+        refused: dict[int, ValidationFailed] = {}
+        room: dict[str, int] = {}
+        for i, item in enumerate(items):
+            if not isinstance(item, batch.UpsertItem):
+                continue
+            old = stored.get((item.namespace, item.schedule.id))
+            if old is not None and old.state != "deleted":
+                continue
+            quota = self.quotas.of(item.namespace)
+            if quota is None or quota.max_schedules is None:
+                continue
+            if item.namespace not in room:
+                live = await self.store.count_live_schedules(conn, item.namespace)
+                room[item.namespace] = quota.max_schedules - live
+            if room[item.namespace] <= 0:
+                reason = (
+                    f"namespace {item.namespace!r} is at its max_schedules ({quota.max_schedules})"
+                )
+                refused[i] = ValidationFailed(
+                    "quota_exceeded",
+                    f"quota exceeded: {reason}",
+                    [{"field": "id", "reason": f"a new schedule is over the quota: {reason}"}],
+                )
+            else:
+                room[item.namespace] -= 1
+        return refused
+
+    async def _with_stats(
+        self, namespace: str, shown: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Views with their ``stats`` and ``paused_reason`` (one query for all of them)."""
+        records = await self.store.schedule_stats(namespace, [item["id"] for item in shown])
+        return [stats.decorate(item, records.get(item["id"])) for item in shown]
 
     async def _index_batch(
         self, effect: batch.BatchEffect, dropped: Sequence[PendingRun] = ()
@@ -642,7 +703,7 @@ class Intake:
         next_cursor = encode_cursor(rows[-1].id) if len(rows) == command.limit else None
         return {
             "ok": True,
-            "schedules": [view(row, now) for row in rows],
+            "schedules": await self._with_stats(namespace, [view(row, now) for row in rows]),
             "next_cursor": next_cursor,
         }
 
@@ -756,3 +817,11 @@ def _schedule_id_of(parsed: Any) -> str | None:
     if found is None and isinstance(inner, dict):
         found = inner.get("id")
     return found if isinstance(found, str) else None
+
+
+def _with_refusals(
+    results: list[Any], refused: dict[int, ValidationFailed], count: int
+) -> list[Any]:
+    """The batch's results back in item order, the items refused before it in their place."""
+    kept = iter(results)
+    return [refused[i] if i in refused else next(kept) for i in range(count)]

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 
-from shared import metrics, transient
+from shared import metrics, stats, transient
 from shared.store import Checkpoint, ExecutionRow, Store
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,14 @@ class AuditWriter:
             try:
                 if rows:
                     await self.store.write_executions(rows)
+                    # Stats ride along with the rows: one more statement per batch, never one
+                    # per fire (rows are dropped right after, so a batch counts once).
+                    await self.store.write_stats(stats.fold(rows))
+                    del self.rows[: len(rows)]
+                    metrics.AUDIT_WRITTEN.inc(len(rows))
                 if checkpoints:
                     await self.store.write_checkpoints(checkpoints)
+                    del self.checkpoints[: len(checkpoints)]
             except transient.ERRORS as exc:
                 log.warning(
                     "audit write failed; rows kept",
@@ -72,10 +78,8 @@ class AuditWriter:
                         "error": repr(exc),
                     },
                 )
+                self._update()
                 return False
-            del self.rows[: len(rows)]
-            del self.checkpoints[: len(checkpoints)]
-            metrics.AUDIT_WRITTEN.inc(len(rows))
             self._update()
         return True
 

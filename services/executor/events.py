@@ -18,8 +18,8 @@ from shared.store import ExecutionRow
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["fired", "succeeded", "failed", "dead", "skipped"]
-FAILURES = frozenset({"failed", "dead"})
+Outcome = Literal["fired", "succeeded", "failed", "dead", "skipped", "paused"]
+FAILURES = frozenset({"failed", "dead", "paused"})
 
 
 class Events:
@@ -38,27 +38,32 @@ class Events:
     async def publish(self, outcome: Outcome, row: ExecutionRow) -> None:
         if not self.wanted(outcome):
             return
-        body = codec.dumps(
-            {
-                "namespace": row.namespace,
-                "id": row.id,
-                "outcome": outcome,
-                "fire_time": timefmt.format_ms(row.nominal_ms),
-                "attempt": row.attempts,
-                "idempotency_key": row.idempotency_key,
-                "trigger": row.is_trigger,
-                "http_status": row.http_status,
-                "error": row.error,
-                "at": timefmt.format_ms(row.finished_ms),
-            }
-        )
+        body = {
+            "namespace": row.namespace,
+            "id": row.id,
+            "outcome": outcome,
+            "fire_time": timefmt.format_ms(row.nominal_ms),
+            "attempt": row.attempts,
+            "idempotency_key": row.idempotency_key,
+            "trigger": row.is_trigger,
+            "http_status": row.http_status,
+            "error": row.error,
+            "at": timefmt.format_ms(row.finished_ms),
+        }
+        await self.send(row.namespace, outcome, body)
+
+    async def send(self, namespace: str, outcome: Outcome, event: dict[str, object]) -> None:
+        """Publish one event body (best effort) if ``CRONBUS_EVENTS`` wants the outcome."""
+        if not self.wanted(outcome):
+            return
+        body = codec.dumps(event)
         with contextlib.suppress(*transient.ERRORS):
             if self._channel is None or self._channel.is_closed:
                 self._channel = await self.connection.channel(publisher_confirms=False)
             exchange = await self._channel.get_exchange(keys.EVENTS_EXCHANGE, ensure=False)
             await exchange.publish(
                 aio_pika.Message(body, content_type="application/json"),
-                routing_key=keys.event_routing_key(row.namespace, outcome),
+                routing_key=keys.event_routing_key(namespace, outcome),
                 mandatory=False,
             )
             metrics.EVENTS.labels(outcome).inc()

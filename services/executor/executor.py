@@ -21,9 +21,11 @@ from typing import Any, TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from services.executor import settle
+from services.executor import limits, settle
 from services.executor.audit import AuditWriter
+from services.executor.autopause import AutoPause
 from services.executor.events import Events
+from services.executor.fairslots import FairSlots
 from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
 from shared import delivery, metrics, transient
@@ -57,6 +59,13 @@ def _in_order(items: Sequence[tuple[int, object]], codes: dict[int, list[int]]) 
         ordered.append(codes[shard][cursors[shard]])
         cursors[shard] += 1
     return ordered
+
+
+def _count_outcome(namespace: str, settlement: Settlement) -> None:
+    label = metrics.NAMESPACES(namespace)
+    metrics.NAMESPACE_OUTCOMES.labels(label, settlement.event).inc()
+    if settlement.row.excluded:
+        metrics.NAMESPACE_OUTCOMES.labels(label, "excluded").inc(settlement.row.excluded)
 
 
 def _text(value: object) -> str:
@@ -93,7 +102,12 @@ class Executor:
         self.stopping = stopping
         self.clock = clock
         self.rng = random.Random()
-        self.slots = asyncio.Semaphore(settings.concurrency)
+        #: Delivery slots, handed to the namespaces with waiters in turn.
+        self.fair_slots = FairSlots(settings.concurrency)
+        self.autopause = AutoPause(index, audit.store, events, stopping, settings.complete_flush_ms)
+        self.limits = limits.Limits(
+            index, settings, stopping, self.now_ms, settings.complete_flush_ms
+        )
         self.lease_ms = round(settings.lease_s * 1000)
         #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
         self._holding: dict[tuple[int, str], int] = {}
@@ -296,17 +310,29 @@ class Executor:
         by the sweeper, and is left to that copy. Misfire decisions use the Redis clock.
         """
         key = occ.idempotency_key
-        async with self.slots:
+        async with self.fair_slots.slot(occ.namespace):
             self._waiting.pop((occ.shard, occ.member), None)
             now = await self.begin(occ)
             if now is None:
                 return
+            begun = self.now_ms()
             chosen = settle.missed_choice(occ, now)
             if chosen == occ.nominal_ms:
+                admission = await self.limits.admit(occ)
+                if admission.code == limits.HELD:
+                    await self._defer(occ, admission.ms)
+                    return
+                if admission.code == limits.WAIT:
+                    # A reserved slot at most MAX_RESERVE_MS ahead: bounded, so waited out here.
+                    await asyncio.sleep(admission.ms / 1000)
                 outcome, started, finished = await self._deliver(occ, key)
                 # Clocks: the host times the attempt; what it decides (the misfire, the next
                 # run of an after_completion schedule) is placed on the Redis clock.
-                settled_now = now + (finished - started)
+                # (From `begun`: the rate gate and a reserved wait take time too.)
+                settled_now = now + (finished - begun)
+        if chosen == occ.nominal_ms:
+            outcome = self.limits.capped(outcome)
+            await self.limits.report(occ, admission, outcome)
         if chosen != occ.nominal_ms:
             self._log_misfire(occ, chosen)
             await self._settle(occ, settle.skip(occ, key, chosen, now))
@@ -316,6 +342,13 @@ class Executor:
         )
         if self.spans is not None:
             self._record_spans(occ, key, outcome, started, finished)
+
+    async def _defer(self, occ: Occurrence, until_ms: int) -> None:
+        """Held by its rate key: back into due at the hold's end, same attempt (defer.lua)."""
+        code = await self.limits.defer(occ, until_ms)
+        self._holding.pop((occ.shard, occ.member), None)
+        if not code:
+            metrics.STALE.labels("defer").inc()
 
     def _log_misfire(self, occ: Occurrence, chosen: int | None) -> None:
         metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
@@ -398,9 +431,12 @@ class Executor:
             metrics.STALE.labels("complete").inc()
         if settlement.event == "dead":
             metrics.DEAD.inc()
+        _count_outcome(occ.namespace, settlement)
         self.audit.add(settlement.row, settlement.checkpoint if code else None)
         self._log(occ, settlement)
         await self.events.publish(settlement.event, settlement.row)
+        if code:
+            await self.autopause.record(occ, settlement.event)
 
     def _log(self, occ: Occurrence, settlement: Settlement) -> None:
         if settlement.event == "succeeded" and not log.isEnabledFor(logging.DEBUG):
@@ -450,3 +486,5 @@ class Executor:
     async def drain(self) -> None:
         for batcher in (self._begin, self._complete, self._retry):
             await batcher.drain()
+        await self.autopause.drain()
+        await self.limits.drain()

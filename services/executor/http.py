@@ -104,6 +104,8 @@ class Response:
     #: The first KEEP_BODY bytes of the body.
     body: bytes
     keep_alive: bool
+    #: The Retry-After header, if the response had one.
+    retry_after: str | None = None
 
 
 class _Connection(asyncio.Protocol):
@@ -129,6 +131,7 @@ class _Connection(asyncio.Protocol):
         self.chunks = 0
         self.lengths: set[bytes] = set()
         self.transfer_encoding: bytes | None = None
+        self.retry_after: str | None = None
 
     # --- asyncio callbacks ------------------------------------------------------------------
 
@@ -142,7 +145,7 @@ class _Connection(asyncio.Protocol):
         if waiter is None or waiter.done():
             return
         if self.headers_done and self._close_delimited():
-            waiter.set_result(Response(self.status, bytes(self.body), False))
+            waiter.set_result(Response(self.status, bytes(self.body), False, self.retry_after))
         else:
             waiter.set_exception(HttpError(f"connection closed: {exc or 'by the server'}"))
 
@@ -195,6 +198,8 @@ class _Connection(asyncio.Protocol):
             if self.transfer_encoding is not None:
                 raise HttpError("malformed response: Transfer-Encoding given twice")
             self.transfer_encoding = value
+        elif lowered == b"retry-after":
+            self.retry_after = value.decode("latin-1")[:64]
 
     def _check_length(self, value: bytes) -> None:
         text = value.strip()
@@ -210,6 +215,7 @@ class _Connection(asyncio.Protocol):
             # An interim response (100 Continue): the real one follows.
             self.lengths.clear()
             self.transfer_encoding = None
+            self.retry_after = None
             return
         encoding = self.transfer_encoding
         if encoding is not None and encoding.strip().lower() != b"chunked":
@@ -252,7 +258,9 @@ class _Connection(asyncio.Protocol):
         if not keep_alive:
             self.closed = True
         if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(Response(self.status, bytes(self.body), keep_alive))
+            self.waiter.set_result(
+                Response(self.status, bytes(self.body), keep_alive, self.retry_after)
+            )
 
     def _fail(self, exc: Exception) -> None:
         if self.waiter is not None and not self.waiter.done():

@@ -13,7 +13,7 @@ from services.executor.events import Events
 from services.executor.executor import Executor
 from services.executor.secrets import SigningSecrets
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import amqp, spans, transient
+from shared import amqp, metrics, spans, transient
 from shared.config import ExecutorSettings
 from shared.service import ServiceBase, Tasks, finish_budget_s
 
@@ -26,6 +26,7 @@ class ExecutorService(ServiceBase):
     def __init__(self, settings: ExecutorSettings) -> None:
         super().__init__(settings)
         self.settings = settings
+        metrics.NAMESPACES.limit = settings.metrics_max_namespaces
         #: Read now, so that a bad file stops the start (SecretsError) before anything runs.
         self.signing_secrets = (
             SigningSecrets(settings.signing_secrets_file) if settings.signing_secrets_file else None

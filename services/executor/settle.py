@@ -24,6 +24,8 @@ class Outcome:
     ok: bool
     http_status: int | None = None
     error: str | None = None
+    #: A 429 or 503 answered with Retry-After: how long it asked to wait (ms).
+    retry_after_ms: int | None = None
 
 
 @dataclass(slots=True)
@@ -67,21 +69,35 @@ def next_nominal_after(
 ) -> tuple[int | None, bool]:
     """The schedule's next nominal time after ``occ``, and whether the misfire policy chose it
     (the rule's next time was already missed when ``occ`` finished)."""
+    chosen, catch_up, _ = next_nominal_counted(occ, fires, finished_ms, now_ms)
+    return chosen, catch_up
+
+
+def next_nominal_counted(
+    occ: Occurrence, fires: int, finished_ms: int, now_ms: int
+) -> tuple[int | None, bool, int]:
+    """``next_nominal_after``, and how many excluded times (``spec.exclude``) the rotation
+    stepped over to reach it."""
     plan = occ.plan
     if schedule.is_exhausted(plan, fires):
-        return None, False
-    candidate = schedule.following(plan, occ.nominal_ms, finished_ms)
+        return None, False, 0
+    candidate, excluded = schedule.following_counted(plan, occ.nominal_ms, finished_ms)
     chosen = schedule.resolve_due(plan, candidate, now_ms, occ.member)
-    return chosen, candidate is not None and schedule.is_missed(plan, occ.member, candidate, now_ms)
+    missed = candidate is not None and schedule.is_missed(plan, occ.member, candidate, now_ms)
+    return chosen, missed, excluded
 
 
-def finish(occ: Occurrence, finished_ms: int, now_ms: int) -> tuple[Completion, Checkpoint | None]:
-    """The completion of a finished occurrence (succeeded, or dead after its last attempt)."""
+def finish(
+    occ: Occurrence, finished_ms: int, now_ms: int
+) -> tuple[Completion, Checkpoint | None, int]:
+    """The completion of a finished occurrence (succeeded, or dead after its last attempt),
+    and how many excluded times the rotation stepped over."""
     if occ.is_trigger:
-        return Completion(occ.member, occ.token, None, ""), None
+        return Completion(occ.member, occ.token, None, ""), None, 0
     fires = occ.fires + 1
-    following, catch_up = next_nominal_after(occ, fires, finished_ms, now_ms)
-    return _rotate(occ, following, fires, occ.nominal_ms, catch_up)
+    following, catch_up, excluded = next_nominal_counted(occ, fires, finished_ms, now_ms)
+    completion, checkpoint = _rotate(occ, following, fires, occ.nominal_ms, catch_up)
+    return completion, checkpoint, excluded
 
 
 def row_of(
@@ -120,7 +136,8 @@ def settle(
 ) -> Settlement:
     """``final``: no attempt follows, whatever the retry policy says (a poison message)."""
     if not outcome.ok and not final and backoff.attempts_left(occ.plan.retry, occ.attempt):
-        delay = backoff.delay_ms(occ.plan.retry, occ.attempt, rng)
+        # A target that said when to come back is not asked sooner.
+        delay = max(backoff.delay_ms(occ.plan.retry, occ.attempt, rng), outcome.retry_after_ms or 0)
         return Settlement(
             None,
             delay,
@@ -128,15 +145,11 @@ def settle(
             None,
             "failed",
         )
-    completion, checkpoint = finish(occ, finished_ms, now_ms)
+    completion, checkpoint, excluded = finish(occ, finished_ms, now_ms)
     status: EventKind = "succeeded" if outcome.ok else "dead"
-    return Settlement(
-        completion,
-        None,
-        row_of(occ, key, status, outcome, started_ms, finished_ms),
-        checkpoint,
-        status,
-    )
+    row = row_of(occ, key, status, outcome, started_ms, finished_ms)
+    row.excluded = excluded
+    return Settlement(completion, None, row, checkpoint, status)
 
 
 def missed_choice(occ: Occurrence, now_ms: int) -> int | None:

@@ -21,7 +21,7 @@ from services.executor.http import (
 )
 from services.executor.secrets import SecretHeaders, SecretMissing, SigningSecrets
 from services.executor.settle import Outcome
-from shared import metrics, signing, timefmt, tracing
+from shared import limits, metrics, signing, timefmt, tracing
 from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
 from shared.plan import AmqpPlan, WebhookPlan
@@ -135,7 +135,19 @@ class Webhooks:
         if _succeeded(status, target.success_codes):
             return Outcome(True, status)
         text = response.body.decode("utf-8", "replace").strip()
-        return Outcome(False, status, f"HTTP {status}" + (f": {text}" if text else ""))
+        return Outcome(
+            False,
+            status,
+            f"HTTP {status}" + (f": {text}" if text else ""),
+            _retry_after_ms(status, response.retry_after),
+        )
+
+
+def _retry_after_ms(status: int, value: str | None) -> int | None:
+    """What a 429 or 503 asks with Retry-After (capped by the executor's limits)."""
+    if status not in limits.BACKPRESSURE_STATUSES:
+        return None
+    return limits.retry_after_ms(value, int(time.time() * 1000), limits.MAX_RETRY_AFTER_MS)
 
 
 @functools.lru_cache(maxsize=4096)

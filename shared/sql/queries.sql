@@ -232,6 +232,62 @@ SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.de
     rotation_version = COALESCE(EXCLUDED.rotation_version, s.rotation_version), updated_at = now(),
     created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END;
 
+-- write_stats --
+-- A batch of per-schedule stats deltas folded from execution rows (one statement per batch).
+INSERT INTO schedule_stats AS s (namespace, id, fires, succeeded, failed, dead, skipped,
+                                 excluded, consecutive_failures, last_status, last_error,
+                                 last_fire_at)
+SELECT d.namespace, d.id, d.fires, d.succeeded, d.failed, d.dead, d.skipped, d.excluded,
+       d.trailing_dead, d.last_status, d.last_error, to_timestamp(d.last_ms / 1000.0)
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[],
+            $7::bigint[], $8::bigint[], $9::bigint[], $10::text[], $11::text[], $12::bigint[])
+     AS d(namespace, id, fires, succeeded, failed, dead, skipped, excluded, trailing_dead,
+          last_status, last_error, last_ms)
+ON CONFLICT (namespace, id) DO UPDATE
+SET fires = s.fires + EXCLUDED.fires, succeeded = s.succeeded + EXCLUDED.succeeded,
+    failed = s.failed + EXCLUDED.failed, dead = s.dead + EXCLUDED.dead,
+    skipped = s.skipped + EXCLUDED.skipped, excluded = s.excluded + EXCLUDED.excluded,
+    -- A success in the batch resets the run; the batch's dead after its last success add up.
+    consecutive_failures = CASE
+        WHEN EXCLUDED.succeeded > 0 THEN EXCLUDED.consecutive_failures
+        ELSE s.consecutive_failures + EXCLUDED.consecutive_failures END,
+    last_status = CASE WHEN EXCLUDED.last_fire_at IS NULL
+                         OR EXCLUDED.last_fire_at < s.last_fire_at
+                       THEN s.last_status ELSE EXCLUDED.last_status END,
+    last_error = CASE WHEN EXCLUDED.last_fire_at IS NULL
+                        OR EXCLUDED.last_fire_at < s.last_fire_at
+                      THEN s.last_error ELSE EXCLUDED.last_error END,
+    last_fire_at = GREATEST(s.last_fire_at, EXCLUDED.last_fire_at);
+
+-- schedule_stats --
+-- The stats of the given schedules of a namespace (get and list).
+SELECT id, fires, succeeded, failed, dead, skipped, excluded, consecutive_failures,
+       last_status, last_error, last_fire_at, paused_version
+FROM schedule_stats
+WHERE namespace = $1 AND id = ANY($2::text[]);
+
+-- reset_stats --
+-- A schedule created anew (or again after a delete) starts with empty stats.
+DELETE FROM schedule_stats WHERE namespace = $1 AND id = $2;
+
+-- reset_stats_many --
+-- Schedules created anew (or again after a delete) start with empty stats.
+DELETE FROM schedule_stats AS s
+USING unnest($1::text[], $2::text[]) AS c(namespace, id)
+WHERE s.namespace = c.namespace AND s.id = c.id;
+
+-- mark_paused_for_failures --
+-- The version pause_after_failures paused (get and list show paused_reason "failures").
+INSERT INTO schedule_stats AS s (namespace, id, paused_version)
+VALUES ($1, $2, $3)
+ON CONFLICT (namespace, id) DO UPDATE SET paused_version = EXCLUDED.paused_version;
+
+-- count_live_schedules --
+-- A namespace's schedules that are not deleted, counted for max_schedules under a lock that
+-- serialises creations in the namespace (two creations racing cannot both pass the quota).
+SELECT pg_advisory_xact_lock(hashtextextended('cronbus-quota:' || $1, 0)),
+       (SELECT count(*) FROM schedules WHERE namespace = $1 AND state <> 'deleted') AS live;
+
 -- index_generation --
 -- The generation the Redis index must be at (or ahead of).
 SELECT generation FROM index_generation;

@@ -311,6 +311,16 @@ async def test_release_hands_back_an_unpublished_claim(index: Index) -> None:
     assert [(c.attempt, c.nominal_ms) for c in again.claimed] == [(1, NOW - 1)]
 
 
+async def test_failures_counts_consecutive_dead_and_clears(index: Index) -> None:
+    counts = await index.count_failures({0: [("ns/a", "dead"), ("ns/a", "dead"), ("ns/b", "dead")]})
+    assert counts == {0: [1, 2, 1]}
+    counts = await index.count_failures(
+        {0: [("ns/a", "clear"), ("ns/a", "dead")], 1: [("ns/c", "dead")]}
+    )
+    assert counts == {0: [0, 1], 1: [1]}
+    assert await index.client.hgetall(index.keys.fails(0)) == {b"ns/a": b"1", b"ns/b": b"1"}
+
+
 async def test_claim_checks_what_it_reads_before_writing(index: Index) -> None:
     await add(index, 0, "ns/broken", NOW - 5, next_occ="garbage")
     await add(index, 0, "ns/fine", NOW - 4)

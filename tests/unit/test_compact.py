@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared import compact, models
+from shared.exclusion import CronExclusion, RangeExclusion
 from shared.plan import (
     AfterCompletionRule,
     AmqpPlan,
@@ -91,6 +92,14 @@ plans = st.builds(
         st.integers(1, 10**9),
         st.integers(1, 10**5),
     ),
+    exclude=st.lists(
+        st.one_of(
+            st.builds(CronExclusion, st.sampled_from(["* * 25 12 *", "0 0 * * SAT"])),
+            st.builds(RangeExclusion, ms, ms),
+        ),
+        max_size=3,
+    ).map(tuple),
+    pause_after_failures=st.one_of(st.none(), st.integers(1, 1000)),
 )
 
 

@@ -1,0 +1,88 @@
+"""gate.lua, report.lua and defer.lua against the real Redis: GCRA slots, Retry-After holds,
+circuit breakers, deferrals that keep the attempt."""
+
+from __future__ import annotations
+
+from shared.index import Index, occ_state
+from tests.lua.test_scripts import LEASE_MS, NOW, add
+
+KEY = "acme|http://127.0.0.1:80"
+FAILS = 3
+
+
+async def gate(
+    index: Index, now: int, *items: tuple[str, float, int, int]
+) -> list[tuple[int, int, int]]:
+    return await index.gate(list(items), FAILS, 2000, now_ms=now)
+
+
+async def test_gcra_admits_the_burst_then_reserves_slots_then_holds(index: Index) -> None:
+    limited = (KEY, 200.0, 2, 10_000)  # 5 per second, burst 2
+    results = await gate(index, NOW, *[limited] * 14)
+    codes = [code for code, _, _ in results]
+    assert codes[:2] == [0, 0]
+    waits = [ms for code, ms, _ in results if code == 1]
+    assert waits == [200 * n for n in range(1, len(waits) + 1)]
+    assert max(waits) <= 2000
+    held = [ms for code, ms, _ in results if code == 2]
+    assert held and all(until > NOW for until in held)
+    # Later, the slots have been used up by time: the burst is available again.
+    again = await gate(index, NOW + 60_000, limited, limited)
+    assert [code for code, _, _ in again] == [0, 0]
+
+
+async def test_an_unlimited_key_always_goes(index: Index) -> None:
+    results = await gate(index, NOW, *[(KEY, 0.0, 1, 10_000)] * 50)
+    assert {code for code, _, _ in results} == {0}
+
+
+async def test_retry_after_holds_the_key_until_then(index: Index) -> None:
+    assert await index.report([(KEY, False, 3000)], FAILS, 30_000, 60_000, now_ms=NOW) == [0]
+    ((code, until, _),) = await gate(index, NOW + 1000, (KEY, 0.0, 1, 10_000))
+    assert (code, until) == (2, NOW + 3000)
+    other = await gate(index, NOW + 1000, ("other|http://127.0.0.1:80", 0.0, 1, 10_000))
+    assert other[0][0] == 0
+
+
+async def test_breaker_opens_after_consecutive_failures_then_lets_one_probe(index: Index) -> None:
+    codes = await index.report([(KEY, False, None)] * FAILS, FAILS, 30_000, 60_000, now_ms=NOW)
+    assert codes == [0, 0, 2]
+    ((code, until, _),) = await gate(index, NOW + 1000, (KEY, 0.0, 1, 10_000))
+    assert (code, until) == (2, NOW + 30_000)
+    after = NOW + 30_001
+    results = await gate(index, after, (KEY, 0.0, 1, 10_000), (KEY, 0.0, 1, 10_000))
+    assert results[0][0] == 0 and results[0][2] & 1  # the probe
+    assert results[1][:2] == (2, after + 10_000)  # the others wait for it
+    # The probe failed: open again.
+    assert await index.report([(KEY, False, None)], FAILS, 30_000, 60_000, now_ms=after + 50) == [2]
+    ((code, until, _),) = await gate(index, after + 100, (KEY, 0.0, 1, 10_000))
+    assert (code, until) == (2, after + 50 + 30_000)
+
+
+async def test_a_success_closes_the_breaker_and_resets_the_count(index: Index) -> None:
+    await index.report([(KEY, False, None)] * FAILS, FAILS, 30_000, 60_000, now_ms=NOW)
+    ((_, _, flags),) = await gate(index, NOW + 30_001, (KEY, 0.0, 1, 10_000))
+    assert flags == 3  # probe, and the breaker counts failures
+    assert await index.report([(KEY, True, None)], FAILS, 30_000, 60_000, now_ms=NOW + 30_100) == [
+        1
+    ]
+    assert await index.breaker_state(KEY) == (0, 0, 0, 0)
+    codes = await index.report(
+        [(KEY, False, None)] * (FAILS - 1), FAILS, 30_000, 60_000, now_ms=NOW
+    )
+    assert codes == [0, 0]
+
+
+async def test_defer_keeps_the_attempt_drops_the_token_and_flags_a_catch_up(
+    index: Index,
+) -> None:
+    await add(index, 0, "ns/a", NOW)
+    claimed = (await index.claim([0], 10, LEASE_MS, now_ms=NOW))[0].claimed[0]
+    await index.client.hset(index.keys.occ(0), "ns/a", occ_state(NOW, 2, claimed.token, 0))
+    codes = await index.defer({0: [("ns/a", claimed.token, NOW + 5000)]})
+    assert codes == {0: [1]}
+    due, lease, occ = await index.position(0, "ns/a")
+    assert (due, lease, occ) == (NOW + 5000, None, occ_state(NOW, 2, "", 0, "c"))
+    assert await index.defer({0: [("ns/a", claimed.token, NOW + 9000)]}) == {0: [0]}
+    again = (await index.claim([0], 10, LEASE_MS, now_ms=NOW + 5000))[0].claimed[0]
+    assert (again.nominal_ms, again.attempt, again.catch_up) == (NOW, 2, True)
