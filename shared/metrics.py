@@ -157,6 +157,10 @@ STALE_INDEX = Counter(
     "cronbus_stale_index_total",
     "Indexes found behind PostgreSQL's generation (restored from an older snapshot) and rebuilt.",
 )
+STALE_INDEX_WAITS = Counter(
+    "cronbus_stale_index_waits_total",
+    "Claim rounds skipped because the index generation went back (an older snapshot restored).",
+)
 TOMBSTONES_TRIMMED = Counter(
     "cronbus_tombstones_trimmed_total",
     "Tombstones of deleted or finished schedules dropped once PostgreSQL agreed with them.",
@@ -195,6 +199,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
         DEAD_LETTERED,
         REPLY_TO_REFUSED,
         COMMAND_BATCH,
+        STALE_INDEX_WAITS,
         DEPENDENCY_UP,
     ),
     "executor": (
@@ -224,6 +229,8 @@ OWNERS: dict[str, tuple[object, ...]] = {
         REBUILD_DURATION,
         REBUILD_RUNNING,
         INDEX_EPOCH_PRESENT,
+        STALE_INDEX,
+        TOMBSTONES_TRIMMED,
         DRIFT_REPAIRED,
         PARTITIONS_DROPPED,
         DEPENDENCY_UP,

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 #: How often the deliveries queue depth is read for backpressure.
 BACKLOG_CHECK_S = 0.25
+#: How long claiming waits before looking again at an index found older than seen (s).
+STALE_INDEX_PAUSE_S = 0.5
 
 
 class Dispatcher:
@@ -56,6 +58,9 @@ class Dispatcher:
         self._claim_span_ns = (0, 0)
         #: Occurrences claimed and being published: leased until published or released.
         self.publishing = 0
+        #: The highest index generation seen (cronbus:meta:epoch): one going backwards means
+        #: Redis was restored from an older snapshot, whose entries must not fire.
+        self._generation = 0
 
     def use_shards(self, shards: list[int]) -> None:
         """The shard leases changed: claim from these from now on."""
@@ -88,6 +93,9 @@ class Dispatcher:
         if await self._backpressured():
             await self._pause(BACKLOG_CHECK_S)
             return
+        if await self._index_went_back():
+            await self._pause(STALE_INDEX_PAUSE_S)
+            return
         claim_start_ns = time.time_ns() if self.spans is not None else 0
         results = await self.index.claim(
             self.shards, self.settings.claim_batch, round(self.settings.lease_s * 1000)
@@ -107,6 +115,29 @@ class Dispatcher:
             await self.publish(claimed)
             self.publishing = 0
         await self._sleep_until_next(results)
+
+    async def _index_went_back(self) -> bool:
+        """True while the index is of an older generation than one already seen: Redis was
+        restored from an older snapshot, and until the sweeper has dropped and rebuilt it
+        (a new, higher generation) nothing is claimed from it. A missing epoch is a lost
+        index being rebuilt: what is rebuilt fires."""
+        raw = await self.index.client.get(self.index.keys.epoch)
+        if raw is None:
+            return False
+        generation = int(raw)
+        if generation < self._generation:
+            metrics.STALE_INDEX_WAITS.inc()
+            log.warning(
+                "index generation went back: waiting for the sweeper's rebuild",
+                extra={
+                    "action": "stale_index_wait",
+                    "generation": generation,
+                    "seen": self._generation,
+                },
+            )
+            return True
+        self._generation = generation
+        return False
 
     async def publish(self, claimed: Sequence[Claimed]) -> None:
         """Publish in messages of up to ``delivery_batch`` occurrences, all confirms awaited

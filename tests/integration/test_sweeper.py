@@ -96,6 +96,9 @@ async def test_one_sweeper_acts_per_step(sweeper: Sweeper, index: Index, store: 
 async def test_rebuild_restores_every_live_schedule_from_its_checkpoint(
     sweeper: Sweeper, index: Index, store: Store
 ) -> None:
+    # This test's own clock: the module's NOW may be minutes old in a long run, and the
+    # replay below is bounded by fire_all's limit of 1000 one-second occurrences.
+    now = int(time.time() * 1000)
     start = timefmt.format_ms(NOW + 3_600_000)
     await load(
         store,
@@ -112,8 +115,8 @@ async def test_rebuild_restores_every_live_schedule_from_its_checkpoint(
         await conn.execute(
             "UPDATE schedules SET last_fire_at = to_timestamp($1 / 1000.0), next_fire_at = "
             "to_timestamp($2 / 1000.0) WHERE id = 'replayed'",
-            NOW - 300_000,
-            NOW - 299_000,
+            now - 300_000,
+            now - 299_000,
         )
     finally:
         await conn.close()
@@ -131,7 +134,7 @@ async def test_rebuild_restores_every_live_schedule_from_its_checkpoint(
     paused_due, _, _ = await index.position(index.shard_of("sw", "paused"), "sw/paused")
     assert paused_due is None
     replay_due, _, _ = await index.position(index.shard_of("sw", "replayed"), "sw/replayed")
-    assert replay_due == NOW - 299_000  # fire_all: the oldest missed time first
+    assert replay_due == now - 299_000  # fire_all: the oldest missed time first
 
 
 async def test_drift_repair_fixes_stale_missing_and_orphan_entries(
