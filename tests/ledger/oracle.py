@@ -168,14 +168,18 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class Windows:
-    """Sorted, merged [start, end] intervals, each with a name."""
+    """Named [start, end] intervals, sorted by start. Overlapping ones are kept apart (a point
+    inside several belongs to the one that started last) unless ``merge`` joins them."""
 
     spans: tuple[tuple[int, int, str], ...]
 
     @classmethod
-    def of(cls, spans: Iterable[tuple[int, int, str]]) -> Windows:
+    def of(cls, spans: Iterable[tuple[int, int, str]], *, merge: bool = False) -> Windows:
+        ordered = sorted(spans)
+        if not merge:
+            return cls(tuple(ordered))
         merged: list[tuple[int, int, str]] = []
-        for start, end, name in sorted(spans):
+        for start, end, name in ordered:
             if merged and start <= merged[-1][1]:
                 last = merged[-1]
                 merged[-1] = (last[0], max(last[1], end), last[2])
@@ -184,9 +188,10 @@ class Windows:
         return cls(tuple(merged))
 
     def find(self, at_ms: float) -> str | None:
-        index = bisect.bisect_right(self.spans, (at_ms, math.inf, "")) - 1
-        if index >= 0 and self.spans[index][0] <= at_ms <= self.spans[index][1]:
-            return self.spans[index][2]
+        index = bisect.bisect_right(self.spans, (at_ms, math.inf, ""))
+        for start, end, name in reversed(self.spans[:index]):
+            if start <= at_ms <= end:
+                return name
         return None
 
 
@@ -199,9 +204,12 @@ def backlog_windows(late: Iterable[tuple[int, float]], pad_ms: int = 1000) -> Wi
     """Spans where the system was measurably behind: from the due time of each first attempt
     that arrived more than ``LATE_MS`` late to its arrival (padded)."""
     return Windows.of(
-        (due - pad_ms, int(arrived) + pad_ms, "backlog")
-        for due, arrived in late
-        if arrived - due > LATE_MS
+        (
+            (due - pad_ms, int(arrived) + pad_ms, "backlog")
+            for due, arrived in late
+            if arrived - due > LATE_MS
+        ),
+        merge=True,
     )
 
 
@@ -349,7 +357,7 @@ def judge(
     faults: Sequence[Fault],
     horizon_ms: int,
     *,
-    fault_before_ms: int = 3000,
+    fault_before_ms: int = 2000,
     fault_after_ms: int = 6000,
 ) -> Verdict:
     """The ledger: every schedule's occurrences judged against what the sink received."""
@@ -615,24 +623,26 @@ def _judge_triggers(
 def _count_overlaps(
     timeline: Timeline, regular: dict[int, Occurrence], ctx: Context, verdict: Verdict, label: str
 ) -> None:
-    """Invariant 3: two regular occurrences of one schedule in flight at once. Each delivery
-    run (attempt 1 and its retries, from the first arrival to the last answer at the sink) of
-    one occurrence must not intersect a run of another."""
-    runs = sorted(
-        (start, end, nominal)
+    """Invariant 3: two regular occurrences of one schedule in flight at once, seen at the
+    sink: a request of one arrives while a request of another is still being answered
+    (checkable with slow targets; triggers are outside the rotation and not counted)."""
+    spans = sorted(
+        (request.arrived_ms, request.answered_ms, nominal)
         for nominal, occurrence in regular.items()
-        for start, end in occurrence.episodes()
+        for request in occurrence.requests
     )
     active: list[tuple[float, int]] = []
     counted: set[tuple[int, int]] = set()
-    for start, end, nominal in runs:
+    for start, end, nominal in spans:
         active = [(e, n) for e, n in active if e > start + CLOCK_SLACK_MS]
         for _, other in active:
             pair = (min(other, nominal), max(other, nominal))
             if other != nominal and pair not in counted:
                 counted.add(pair)
                 verdict.row(label, ctx.fault_of(start)).overlaps += 1
-                verdict.findings.append(f"overlap {timeline.member}: {pair[0]} and {pair[1]}")
+                verdict.findings.append(
+                    f"overlap {timeline.member}: {pair[0]} and {pair[1]} at {start:.0f}"
+                )
         active.append((end, nominal))
 
 

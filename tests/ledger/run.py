@@ -197,13 +197,10 @@ class Ledger:
         await import_schedules(self.env, namespace, bodies, self.stack.logs)
         replied = now_ms()
         for body in bodies:
+            # Judged like the mix, but never commanded (they live in their own namespace).
             member = keys.member(namespace, body["id"])
-            item = mix.Item(body["id"], "once", body)
-            self.items[member] = item
-            self.state[member] = "active"
-            self.timelines[member] = oracle.Timeline(
-                namespace, body["id"], [oracle.Rotation(item.plan, sent, replied)]
-            )
+            rotation = oracle.Rotation(mix.plan_of_body(body), sent, replied)
+            self.timelines[member] = oracle.Timeline(namespace, body["id"], [rotation])
         members = {keys.member(namespace, body["id"]) for body in bodies}
 
         def drained(sink: Sink) -> bool:
@@ -243,7 +240,7 @@ class Ledger:
         timelines = [t for m, t in self.timelines.items() if m not in self.excluded]
         return oracle.judge(timelines, ledger_sink.requests(self.sink), self.applied, horizon)
 
-    async def drain_and_judge(self, horizon: int, timeout_s: float = 60) -> oracle.Verdict:
+    async def drain_and_judge(self, horizon: int, timeout_s: float = 45) -> oracle.Verdict:
         """Wait until every required occurrence has arrived (or the timeout), then a little
         longer for late duplicates, and judge."""
         deadline = time.monotonic() + timeout_s

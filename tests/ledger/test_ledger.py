@@ -16,6 +16,7 @@ them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -136,6 +137,7 @@ async def test_every_policy_keeps_its_promise_under_every_fault(
             commands=ledger.commands,
             excluded=ledger.excluded,
             faults=[[f.name, f.start_ms, f.end_ms] for f in ledger.applied],
+            requests=[dataclasses.asdict(r) for r in ledger_sink.requests(sink)],
         ),
     )
     print(f"report: {report_path}")
