@@ -74,6 +74,7 @@ class Ledger:
     commands: dict[str, int] = field(default_factory=dict)
     #: Schedules left out of the judgement because a command's outcome is unknown.
     excluded: dict[str, str] = field(default_factory=dict)
+    bursts: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.profile.seed)
@@ -191,7 +192,9 @@ class Ledger:
         """Far more occurrences due at one instant than the executors deliver at once: one-shot
         schedules (default policy, fire_once: their only time is their own catch-up)."""
         at = (now_ms() // 1000 + 6) * 1000
-        namespace = "burst"
+        # A namespace per burst: the ids repeat from one pass to the next.
+        self.bursts += 1
+        namespace = f"burst{self.bursts}"
         bodies = [mix.herd_body("once", i, at, self.sink.url) for i in range(self.profile.burst)]
         sent = now_ms()
         await import_schedules(self.env, namespace, bodies, self.stack.logs)
@@ -223,10 +226,12 @@ class Ledger:
     async def run(self) -> oracle.Verdict:
         kit = self.kit()
         await self.register()
-        await self.calm(self.profile.calm_s, self.profile.commands_per_calm)
-        await kit.take_snapshot()
+        # A long stretch with commands and no fault first: what every policy owes on time.
+        await self.calm(3 * self.profile.calm_s, 3 * self.profile.commands_per_calm)
         deadline = time.monotonic() + self.profile.minutes * 60
         while True:
+            # The snapshot the old-snapshot fault restores: taken a whole pass earlier.
+            await kit.take_snapshot()
             for name in faults.FAULTS:
                 await self.calm(self.profile.calm_s, self.profile.commands_per_calm)
                 self.applied.append(await faults.apply(name, kit))
