@@ -8,6 +8,7 @@ long one (``scripts/ledger --minutes N``) repeats the pass of every fault for N 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import subprocess
@@ -240,6 +241,24 @@ class Ledger:
         await self.calm(self.profile.calm_s, self.profile.commands_per_calm)
         horizon = now_ms() - 1000
         return await self.drain_and_judge(horizon)
+
+    def history(self) -> dict[str, Any]:
+        """The command history of every mix schedule, for the JSON report."""
+        return {
+            member: {
+                "rotations": [[r.sent_ms, r.reply_ms, self._spec_of(r)] for r in t.rotations],
+                "pauses": [list(dataclasses.astuple(p)) for p in t.pauses],
+                "deleted": list(t.deleted) if t.deleted else None,
+                "triggers": [[g.sent_ms, g.reply_ms, g.fire_ms] for g in t.triggers],
+            }
+            for member, t in self.timelines.items()
+            if t.namespace == mix.NAMESPACE
+        }
+
+    @staticmethod
+    def _spec_of(rotation: oracle.Rotation) -> str:
+        plan = rotation.plan
+        return f"{plan.rule} misfire={plan.misfire.policy} jitter_ms={plan.jitter_ms}"
 
     def judge(self, horizon: int) -> oracle.Verdict:
         timelines = [t for m, t in self.timelines.items() if m not in self.excluded]

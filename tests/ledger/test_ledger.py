@@ -137,6 +137,7 @@ async def test_every_policy_keeps_its_promise_under_every_fault(
             commands=ledger.commands,
             excluded=ledger.excluded,
             faults=[[f.name, f.start_ms, f.end_ms] for f in ledger.applied],
+            history=ledger.history(),
             requests=[dataclasses.asdict(r) for r in ledger_sink.requests(sink)],
         ),
     )
