@@ -48,6 +48,9 @@ RESUME_SETTLE_MS = 1500
 #: How long past its due time a fixed-delay occurrence may take before it counts as lost (ms;
 #: it is never missed, only late, and the run drains before it is judged).
 CHAIN_SLACK_MS = 2000
+#: How long an occurrence has, after its due time (or after the fault or backlog under way
+#: then), to be delivered before a command may legitimately keep it from firing (ms).
+SETTLE_MS = 2000
 #: The most candidate nominal times enumerated per rotation (bounds the work).
 MAX_CANDIDATES = 200_000
 #: ``fire_all`` replays every missed time when its window and limit exceed the run.
@@ -187,6 +190,12 @@ class Windows:
                 merged.append((start, end, name))
         return cls(tuple(merged))
 
+    def until(self, at_ms: float) -> int | None:
+        """The latest end of the windows holding ``at_ms`` (None: none holds it)."""
+        index = bisect.bisect_right(self.spans, (at_ms, math.inf, ""))
+        ends = [end for start, end, _ in self.spans[:index] if start <= at_ms <= end]
+        return max(ends) if ends else None
+
     def find(self, at_ms: float) -> str | None:
         index = bisect.bisect_right(self.spans, (at_ms, math.inf, ""))
         for start, end, name in reversed(self.spans[:index]):
@@ -283,6 +292,8 @@ def candidates(plan: Plan, from_ms: int, until_ms: int) -> list[int]:
 # --- the judgement -------------------------------------------------------------------------
 
 REQUIRED, ALLOWED, FORBIDDEN = "required", "allowed", "forbidden"
+#: Allowed because a fault or a backlog was under way at its due time.
+DISTURBED = "disturbed"
 
 
 @dataclass
@@ -293,8 +304,10 @@ class Context:
     faults: Windows
     backlog: Windows
 
-    def disturbed(self, at_ms: int) -> bool:
-        return self.faults.find(at_ms) is not None or self.backlog.find(at_ms) is not None
+    def disturbed_until(self, at_ms: int) -> int | None:
+        """When the fault or backlog under way at ``at_ms`` was over (None: calm then)."""
+        ends = [e for e in (self.faults.until(at_ms), self.backlog.until(at_ms)) if e is not None]
+        return max(ends) if ends else None
 
     def fault_of(self, at_ms: float) -> str:
         return self.faults.find(at_ms) or "none"
@@ -338,9 +351,24 @@ def classify(
         return ALLOWED
     if nominal < rotation.reply_ms or due > ctx.horizon_ms:
         return ALLOWED
-    if is_unlimited(plan) or not ctx.disturbed(due):
-        return REQUIRED
-    return ALLOWED
+    disturbed_until = ctx.disturbed_until(due)
+    if disturbed_until is not None and not is_unlimited(plan):
+        return DISTURBED
+    # Required only if the rotation stayed as it was until the occurrence had its chance: a
+    # pause, delete or reset sent before then may legitimately keep it from firing.
+    chance_until = (disturbed_until if disturbed_until is not None else due) + SETTLE_MS
+    if _changed_between(timeline, rotation_index, due, chance_until):
+        return ALLOWED
+    return REQUIRED
+
+
+def _changed_between(timeline: Timeline, rotation_index: int, start: int, end: int) -> bool:
+    """A pause, a delete or a reset sent in [start, end]."""
+    sent = [p.sent_ms for p in timeline.pauses]
+    if timeline.deleted is not None:
+        sent.append(timeline.deleted[0])
+    sent.extend(r.sent_ms for r in timeline.rotations[rotation_index + 1 :])
+    return any(start <= at <= end for at in sent)
 
 
 def _rotation_end(timeline: Timeline, index: int) -> tuple[int, int] | None:
@@ -437,6 +465,7 @@ def _judge_grid(
         due = schedule.fire_at_ms(plan, timeline.member, nominal)
         occurrence = regular.get(nominal)
         _account(timeline, verdict, ctx, label, verdict_class, due, nominal, occurrence)
+    _check_catch_ups(timeline, regular, classes, ctx, verdict, label)
     for nominal, occurrence in regular.items():
         if nominal not in classes:
             _unexpected(
@@ -445,8 +474,56 @@ def _judge_grid(
     _check_max_fires(timeline, regular, ctx, verdict, label)
 
 
+def _disturbed_runs(classes: dict[int, tuple[str, int, Plan]]) -> list[tuple[int, list[int]]]:
+    """Consecutive nominal times of one rotation that came due during a fault or backlog."""
+    runs: list[tuple[int, list[int]]] = []
+    current: list[int] = []
+    current_rotation = -1
+    for nominal in sorted(classes):
+        verdict_class, rotation_index, _ = classes[nominal]
+        if verdict_class == DISTURBED and (not current or rotation_index == current_rotation):
+            current.append(nominal)
+            current_rotation = rotation_index
+            continue
+        if current:
+            runs.append((current_rotation, current))
+        current = [nominal] if verdict_class == DISTURBED else []
+        current_rotation = rotation_index
+    if current:
+        runs.append((current_rotation, current))
+    return runs
+
+
+def _check_catch_ups(
+    timeline: Timeline,
+    regular: dict[int, Occurrence],
+    classes: dict[int, tuple[str, int, Plan]],
+    ctx: Context,
+    verdict: Verdict,
+    label: str,
+) -> None:
+    """``fire_once`` owes one catch-up for the times missed during a fault or a backlog: one
+    of them is delivered once the system is back (unless a command changed the rotation
+    meanwhile, or the run reaches the horizon)."""
+    for rotation_index, run in _disturbed_runs(classes):
+        plan = timeline.rotations[rotation_index].plan
+        if plan.misfire.policy != "fire_once" or any(n in regular for n in run):
+            continue
+        first = schedule.fire_at_ms(plan, timeline.member, run[0])
+        last = schedule.fire_at_ms(plan, timeline.member, run[-1])
+        settled = (ctx.disturbed_until(last) or last) + SETTLE_MS
+        if settled > ctx.horizon_ms or _changed_between(timeline, rotation_index, first, settled):
+            continue
+        row = verdict.row(label, ctx.fault_of(last))
+        row.expected += 1
+        row.lost += 1
+        verdict.findings.append(
+            f"lost catch-up {timeline.member}: none of {len(run)} missed from {run[0]} to {run[-1]}"
+        )
+
+
 def _rank(verdict_class: str) -> int:
-    return {FORBIDDEN: 0, "paused": 1, ALLOWED: 2, REQUIRED: 3}[verdict_class]
+    return {FORBIDDEN: 0, "paused": 1, ALLOWED: 2, DISTURBED: 2, REQUIRED: 3}[verdict_class]
 
 
 def _account(
@@ -467,7 +544,7 @@ def _account(
             row.lost += 1
             verdict.findings.append(f"lost {name}")
     if occurrence is None:
-        if verdict_class == ALLOWED:
+        if verdict_class in (ALLOWED, DISTURBED):
             row.skipped += 1
         return
     if _forbidden_delivery(timeline, verdict_class, due, occurrence):

@@ -61,7 +61,7 @@ def env(servers: private.PrivateServices) -> dict[str, str]:
         "CRONBUS_SWEEP_INTERVAL_S": "1",
         "CRONBUS_SHUTDOWN_GRACE_S": "5",
         # Frequent drift checks: drift repair must never touch an occurrence in flight.
-        "CRONBUS_DRIFT_CHECK_INTERVAL_S": "2",
+        "CRONBUS_DRIFT_CHECK_INTERVAL_S": "1",
         "CRONBUS_EVENTS": "failures",
         "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8",
         "CRONBUS_LOG_LEVEL": "INFO",

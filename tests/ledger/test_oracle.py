@@ -109,8 +109,9 @@ def test_pause_forbids_what_comes_due_after_its_reply() -> None:
     assert verdict.total("unexpected") == 1
     assert any("forbidden ledger/s@" + str(T0 + 6000) in f for f in verdict.findings)
     # While paused nothing is required; after the resume (and its settling) it is again.
-    # Required: +0, +2, +4 s (before the pause), +14..+20 s (after the resume settled).
-    assert verdict.rows[("fire_all", "none")].expected == len([0, 2, 4, 14, 16, 18, 20])
+    # Required: +0 and +2 s (settled before the pause was sent; +4 s was due 1 s before it,
+    # too close to be owed), +14..+20 s (after the resume settled).
+    assert verdict.rows[("fire_all", "none")].expected == len([0, 2, 14, 16, 18, 20])
 
 
 def test_catch_up_after_resume_is_allowed_except_under_skip() -> None:
@@ -171,6 +172,35 @@ def test_a_fault_lets_skip_drop_but_not_fire_all() -> None:
         t = timeline(plan(EVERY_2S, policy))
         delivered = on_time(t, horizon, frozenset({T0 + 6000}))
         assert oracle.judge([t], delivered, [fault], horizon).total("lost") == lost, policy
+
+
+def test_fire_once_owes_one_catch_up_per_fault() -> None:
+    """Defect 2: a catch-up judged again under backlog can be skipped forever."""
+    fault = oracle.Fault("overload", T0 + 6000, T0 + 9000)
+    horizon = T0 + 30_000
+    for policy, lost in (("fire_once", 1), ("skip", 0)):
+        t = timeline(plan(EVERY_2S, policy))
+        window = oracle.fault_windows([fault], 2000, 6000).spans[0]
+        outside = [r for r in on_time(t, horizon) if not window[0] <= r.fire_time_ms <= window[1]]
+        verdict = oracle.judge([t], outside, [fault], horizon)
+        assert verdict.total("lost") == lost, policy
+        one = [*outside, request(T0 + 14_000, T0 + 15_500)]
+        assert oracle.judge([t], one, [fault], horizon).total("lost") == 0
+
+
+def test_a_command_during_a_fault_may_keep_an_owed_occurrence_from_firing() -> None:
+    """fire_all owes what came due during a fault, unless a pause, delete or reset was sent
+    before the fault was over (plus the settling time): then the occurrence may never fire."""
+    fault = oracle.Fault("kill9-dispatcher", T0 + 6000, T0 + 9000)
+    horizon = T0 + 30_000
+    delivered = [
+        r for r in on_time(timeline(plan(EVERY_2S)), horizon) if r.fire_time_ms < T0 + 6000
+    ]
+    paused = timeline(plan(EVERY_2S), pauses=[oracle.Pause(T0 + 10_000, T0 + 10_010)])
+    assert oracle.judge([paused], delivered, [fault], horizon).total("lost") == 0
+    late_pause = timeline(plan(EVERY_2S), pauses=[oracle.Pause(T0 + 25_000, T0 + 25_010)])
+    # 6 and 8 s were owed (fire_all); 10..22 s were due when the system was calm again.
+    assert oracle.judge([late_pause], delivered, [fault], horizon).total("lost") == 9
 
 
 def test_backlog_seen_elsewhere_lets_skip_drop() -> None:
