@@ -167,9 +167,12 @@ def herd_namespace(kind: str) -> str:
     return f"herd-{kind.replace('_', '-')}"
 
 
-def herd_body(kind: str, index: int, at_ms: int, sink_url: str) -> dict[str, Any]:
+def herd_body(
+    kind: str, index: int, at_ms: int, sink_url: str, behaviour: str = "slow"
+) -> dict[str, Any]:
     """One schedule of a herd whose occurrence is due at ``at_ms`` (a whole second); trigger
-    herds get a far-off schedule that only their triggers fire."""
+    herds get a far-off schedule that only their triggers fire. A slow target keeps the herd
+    in flight for a while (long enough for the sweeper's drift checks to run meanwhile)."""
     at = timefmt.format_ms(at_ms)
     spec: dict[str, Any]
     if kind == "once":
@@ -191,5 +194,5 @@ def herd_body(kind: str, index: int, at_ms: int, sink_url: str) -> dict[str, Any
     return {
         "id": schedule_id,
         "spec": spec,
-        "target": _target(sink_url, "slow", f"{kind}-{schedule_id}"),
+        "target": _target(sink_url, behaviour, f"{kind}-{schedule_id}"),
     }

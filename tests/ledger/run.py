@@ -196,7 +196,9 @@ class Ledger:
         # A namespace per burst: the ids repeat from one pass to the next.
         self.bursts += 1
         namespace = f"burst{self.bursts}"
-        bodies = [mix.herd_body("once", i, at, self.sink.url) for i in range(self.profile.burst)]
+        bodies = [
+            mix.herd_body("once", i, at, self.sink.url, "burst") for i in range(self.profile.burst)
+        ]
         sent = now_ms()
         await import_schedules(self.env, namespace, bodies, self.stack.logs)
         replied = now_ms()

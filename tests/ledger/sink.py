@@ -4,6 +4,7 @@ The first path segment picks the behaviour of a target:
 
 - ``/fast/<id>``: 200 at once;
 - ``/slow/<id>``: 200 after ``SLOW_S`` (deliveries are in flight long enough to overlap);
+- ``/burst/<id>``: 200 after ``BURST_S`` (an overload keeps the executors' slots full);
 - ``/err/<id>``: 503 every time (each occurrence ends dead after its attempts);
 - ``/flaky<N>/<id>``: 503 for attempts 1..N of an occurrence, then 200.
 
@@ -19,7 +20,8 @@ from shared import timefmt
 from tests.ledger import oracle
 
 SLOW_S = 1.2
-BEHAVIOURS = ("fast", "slow", "err", "flaky1", "flaky2")
+BURST_S = 0.5
+DELAYS = {"slow": SLOW_S, "burst": BURST_S}
 
 
 def behaviour_of(path: str) -> str:
@@ -37,7 +39,7 @@ def status_for(request: Received) -> int:
 
 
 def delay_for(request: Received) -> float:
-    return SLOW_S if behaviour_of(request.path) == "slow" else 0.0
+    return DELAYS.get(behaviour_of(request.path), 0.0)
 
 
 def ledger_sink() -> Sink:
