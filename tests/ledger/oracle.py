@@ -675,6 +675,12 @@ def _judge_triggers(
     accepted = {t.fire_ms: t for t in timeline.triggers}
     for trigger in timeline.triggers:
         row = verdict.row("trigger", ctx.fault_of(trigger.fire_ms))
+        if trigger.key == schedule.idempotency_key(
+            timeline.namespace, timeline.id, trigger.fire_ms
+        ):
+            # A trigger has its own identity: never the key of a regular occurrence.
+            row.bad_keys += 1
+            verdict.findings.append(f"bad key trigger {timeline.member}@{trigger.fire_ms}: regular")
         occurrence = triggered.get(trigger.fire_ms)
         deleted_after = timeline.deleted is not None and timeline.deleted[0] >= trigger.sent_ms
         if not deleted_after and trigger.fire_ms <= ctx.horizon_ms:

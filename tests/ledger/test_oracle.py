@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from hypothesis import given, settings
@@ -275,6 +276,9 @@ def test_triggers() -> None:
     assert oracle.judge([t], regular, [], T0 + 3000).total("lost") == 1
     delivered = request(T0 + 1150, T0 + 1300, key=trig.key, trigger=True)
     assert oracle.judge([t], [*regular, delivered], [], T0 + 3000).total("lost") == 0
+    regular_key = schedule.idempotency_key(NS, "s", T0 + 1150)
+    same = timeline(p, triggers=[dataclasses.replace(trig, key=regular_key)])
+    assert oracle.judge([same], regular, [], T0 + 3000).total("bad_keys") == 1
     stranger = request(T0 + 1700, T0 + 1800, trigger=True)
     assert (
         oracle.judge([t], [*regular, delivered, stranger], [], T0 + 3000).total("unexpected") == 1
