@@ -5,7 +5,7 @@
 
   KEYS[1] due    ZSET  member -> fire time (ms)
   KEYS[2] lease  ZSET  member -> lease deadline (ms)
-  KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires"
+  KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires[|flags]"
   KEYS[4] sched  HASH  ns/id  -> compact schedule
   ARGV[1] limit  (count) most leases to reclaim
   ARGV[2] now_ms (ms, optional: '' reads the server clock; tests only)
@@ -25,16 +25,23 @@ end
 local expired = redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, limit)
 local out = {0, 0}
 for _, member in ipairs(expired) do
-  redis.call('ZREM', lease, member)
   local base = string.match(member, '^[^#]*')
   local current = redis.call('HGET', occ, member)
-  if current and redis.call('HEXISTS', sched, base) == 1 then
-    local nominal, attempt, fires = string.match(current, '^([^|]*)|([^|]*)|[^|]*|([^|]*)$')
-    redis.call('HSET', occ, member, nominal .. '|' .. attempt .. '||' .. fires)
+  local nominal, attempt, tail
+  if current then
+    nominal, attempt, tail = string.match(current, '^(%d+)|(%d+)|%d*|(%d+[|%a]*)$')
+  end
+  if current and not nominal then
+    -- Unreadable state: keep the lease (a minute on) rather than lose the occurrence.
+    redis.call('ZADD', lease, now + 60000, member)
+  elseif current and redis.call('HEXISTS', sched, base) == 1 then
+    redis.call('ZREM', lease, member)
+    redis.call('HSET', occ, member, nominal .. '|' .. attempt .. '||' .. tail)
     redis.call('ZADD', due, now, member)
     out[1] = out[1] + 1
     out[#out + 1] = member
   else
+    redis.call('ZREM', lease, member)
     redis.call('HDEL', occ, member)
     out[2] = out[2] + 1
   end

@@ -4,7 +4,7 @@
 
   KEYS[1] due    ZSET  member -> fire time (ms)
   KEYS[2] lease  ZSET  member -> lease deadline (ms)
-  KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires"
+  KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires[|flags]"
   ARGV[1] now_ms (ms, optional: '' reads the server clock; tests only)
   ARGV[2..] triples: member, token, delay_ms (ms)
 
@@ -26,7 +26,7 @@ for i = 2, #ARGV, 3 do
   local nominal, attempt, current_token, fires
   if current then
     nominal, attempt, current_token, fires =
-      string.match(current, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+      string.match(current, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
   end
   if current_token == token then
     redis.call('ZREM', lease, member)

@@ -1,11 +1,15 @@
 --[[
-  upsert: the intake's (and the rebuild's) write of schedules into the index. A write older
-  than the stored version changes nothing, so writes that race arrive in version order.
+  upsert: the intake's (and the rebuild's, and drift repair's) write of schedules into the
+  index. A write older than the stored version changes nothing, so writes that race arrive in
+  version order; so does a write not newer than a tombstone in `gone` (the schedule was
+  deleted, or finished, at that version): deletes win over a rebuild that read the schedule
+  before it was deleted, and a finished occurrence is never put back by a repair.
 
   KEYS[1] due    ZSET  member -> fire time (ms)
   KEYS[2] lease  ZSET  member -> lease deadline (ms)
-  KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires"
+  KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires[|flags]"
   KEYS[4] sched  HASH  ns/id  -> compact schedule (starts with {"v":<version>)
+  KEYS[5] gone   HASH  ns/id  -> "version|ms" tombstone
   ARGV sextuples: member, version, schedule, mode,
                   next_fire_ms ('' : none), next_occ ('' : default state)
     mode 'keep'  : store the schedule; keep its rotation if it has one (due or in flight),
@@ -13,16 +17,14 @@
     mode 'reset' : store the schedule; revoke any occurrence in flight; start at next_fire_ms
     mode 'park'  : store the schedule; revoke and take it out of rotation (paused)
 
-  Returns one code per sextuple: 1 written, -1 stale (the index holds a newer version).
+  Returns one code per sextuple: 1 written, -1 stale (the index holds a newer version, or a
+  tombstone at least as new).
 ]]
-local due, lease, occ, sched = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local due, lease, occ, sched, gone = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 
-local function stored_version(member)
-  local current = redis.call('HGET', sched, member)
-  if not current then
-    return nil
-  end
-  return tonumber(string.match(current, '^{"v":(%d+)'))
+local function version_in(key, member, pattern)
+  local value = redis.call('HGET', key, member)
+  return value and tonumber(string.match(value, pattern))
 end
 
 local function revoke(member)
@@ -48,10 +50,14 @@ local results = {}
 for i = 1, #ARGV, 6 do
   local member, version, plan, mode, next_fire, next_occ =
     ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
-  local stored = stored_version(member)
-  if stored and stored > version then
+  local stored = version_in(sched, member, '^{"v":(%d+)')
+  local buried = version_in(gone, member, '^(%d+)')
+  if (stored and stored > version) or (buried and buried >= version) then
     results[#results + 1] = -1
   else
+    if buried then
+      redis.call('HDEL', gone, member)
+    end
     redis.call('HSET', sched, member, plan)
     if mode == 'park' then
       revoke(member)

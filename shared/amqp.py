@@ -12,8 +12,8 @@ from shared import keys
 
 log = logging.getLogger(__name__)
 
-#: A delivery message redelivered more often than this is poison: it goes to the DLQ (its
-#: occurrences are still leased in Redis, so the sweeper publishes them again).
+#: A delivery message redelivered more often than this is poison: it goes to the DLQ, where
+#: the executors settle its occurrences as dead (see ``Executor.settle_dead_letter``).
 DELIVERY_LIMIT = 20
 DELIVERIES_ROUTING_KEY = "deliver"
 #: How soon a lost connection is tried again (aio-pika's default is 5 s).
@@ -72,6 +72,15 @@ async def deliveries_queue_of(channel: AbstractChannel) -> AbstractQueue:
         keys.DELIVERIES_QUEUE,
         durable=True,
         arguments=keys.quorum_queue_arguments(keys.DELIVERIES_QUEUE, delivery_limit=DELIVERY_LIMIT),
+    )
+
+
+async def dead_deliveries_queue_of(channel: AbstractChannel) -> AbstractQueue:
+    """The dead-letter queue of ``cronbus.deliveries`` (declared with the topology)."""
+    return await channel.declare_queue(
+        keys.dead_letter_queue(keys.DELIVERIES_QUEUE),
+        durable=True,
+        arguments={"x-queue-type": "quorum"},
     )
 
 

@@ -68,7 +68,7 @@ def _prepare_one(
         return validation.field_errors(exc)
     except ValidationFailed as failure:
         return failure.details
-    nominal = rotation.fresh_start(plan, now_ms)
+    nominal = rotation.fresh_start(plan, now_ms, keys.member(namespace, item.id))
     fire = (
         None
         if nominal is None
@@ -195,7 +195,9 @@ def _placed(
         current = rotation.Current(
             compact.decode(old.compact), old.state, old.fires, old.last_fire_ms, old.next_fire_ms
         )
-        placement = rotation.place_upsert(current, plan, entry.paused, now)
+        placement = rotation.place_upsert(
+            current, plan, entry.paused, now, keys.member(namespace, entry.id)
+        )
         upsert = rotation.index_write(namespace, entry.id, plan, raw_plan, placement)
     else:
         placement = _fresh_placement(entry)

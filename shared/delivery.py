@@ -5,8 +5,9 @@ confirming) a message costs the same whatever it carries, so batching multiplies
 dispatcher can hand to the executors. Each occurrence keeps its own shard, token and
 attempt, so fencing and retries stay per occurrence.
 
-Wire form: ``{"v":1,"o":[[shard, member, token, fire_ms, nominal_ms, attempt, fires, plan],...]}``
-where ``plan`` is the compact schedule embedded as is (it is already JSON).
+Wire form: ``{"v":1,"o":[[shard, member, token, fire_ms, nominal_ms, attempt, fires, plan,
+catch_up],...]}`` where ``plan`` is the compact schedule embedded as is (it is already JSON)
+and ``catch_up`` (1 or 0, may be absent) marks an occurrence the misfire policy chose.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared import codec, compact, keys
+from shared import codec, compact, keys, schedule
 from shared.index import Claimed
 from shared.plan import Plan
 
@@ -36,15 +37,24 @@ class Occurrence:
     id: str
     #: The trigger time when this is a triggered run outside the rotation.
     trigger_ms: int | None
+    #: A catch-up the misfire policy chose: delivered however late, never judged again.
+    catch_up: bool = False
 
     @property
     def is_trigger(self) -> bool:
         return self.trigger_ms is not None
 
+    @property
+    def idempotency_key(self) -> str:
+        """A triggered run has its own key, apart from the regular occurrence at its time."""
+        return schedule.occurrence_key(
+            self.namespace, self.id, self.nominal_ms, trigger=self.is_trigger
+        )
+
 
 def encode(items: Sequence[Claimed]) -> bytes:
     parts = [
-        b"[%d,%s,%d,%d,%d,%d,%d,%s]"
+        b"[%d,%s,%d,%d,%d,%d,%d,%s,%d]"
         % (
             c.shard,
             codec.dumps(c.member),
@@ -54,6 +64,7 @@ def encode(items: Sequence[Claimed]) -> bytes:
             c.attempt,
             c.fires,
             c.plan,
+            c.catch_up,
         )
         for c in items
     ]
@@ -61,7 +72,7 @@ def encode(items: Sequence[Claimed]) -> bytes:
 
 
 def _occurrence(row: list[Any]) -> Occurrence:
-    shard, member, token, fire_ms, nominal_ms, attempt, fires, plan = row
+    shard, member, token, fire_ms, nominal_ms, attempt, fires, plan = row[:8]
     namespace, schedule_id, trigger_ms = keys.split_member(member)
     return Occurrence(
         shard,
@@ -75,6 +86,7 @@ def _occurrence(row: list[Any]) -> Occurrence:
         namespace,
         schedule_id,
         trigger_ms,
+        bool(row[8]) if len(row) > 8 else False,
     )
 
 

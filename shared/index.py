@@ -47,19 +47,34 @@ def connect(settings: CommonSettings) -> RedisClient:
     return aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)
 
 
-def occ_state(nominal_ms: int, attempt: int = 1, token: int | str = "", fires: int = 0) -> str:
-    return f"{nominal_ms}|{attempt}|{token}|{fires}"
+#: Occurrence flag: a catch-up the misfire policy chose; it is delivered, never judged again.
+CATCH_UP_FLAG = "c"
 
 
-def resting_occ_state(nominal_ms: int, fire_ms: int, fires: int, counts_fires: bool) -> str:
+def occ_state(
+    nominal_ms: int, attempt: int = 1, token: int | str = "", fires: int = 0, flags: str = ""
+) -> str:
+    state = f"{nominal_ms}|{attempt}|{token}|{fires}"
+    return f"{state}|{flags}" if flags else state
+
+
+def resting_occ_state(
+    nominal_ms: int, fire_ms: int, fires: int, counts_fires: bool, catch_up: bool = False
+) -> str:
     """The occ value a not-yet-claimed occurrence needs, or "" when the defaults say it all.
 
     Most schedules rest with no occ entry at all (nominal = due score, attempt 1, no count),
     which keeps Redis memory per idle schedule small.
     """
-    if nominal_ms == fire_ms and not counts_fires:
+    if nominal_ms == fire_ms and not counts_fires and not catch_up:
         return ""
-    return occ_state(nominal_ms, 1, "", fires)
+    return occ_state(nominal_ms, 1, "", fires, CATCH_UP_FLAG if catch_up else "")
+
+
+def split_tail(tail: str) -> tuple[int, bool]:
+    """The ``fires[|flags]`` end of an occurrence state -> (fires, chosen as a catch-up)."""
+    fires, _, flags = tail.partition("|")
+    return int(fires), CATCH_UP_FLAG in flags
 
 
 @dataclass(slots=True)
@@ -73,6 +88,8 @@ class Claimed:
     fires: int
     #: The compact schedule as stored (see ``shared.compact``).
     plan: bytes
+    #: A catch-up chosen by the misfire policy: delivered however late it is claimed.
+    catch_up: bool = False
 
 
 @dataclass(slots=True)
@@ -83,6 +100,8 @@ class ClaimResult:
     next_due_ms: int | None
     orphans: int
     claimed: list[Claimed]
+    #: Due entries whose stored state did not parse (left in place, a minute on).
+    corrupt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,23 +128,31 @@ def _opt(value: int | None) -> str | int:
     return "" if value is None else value
 
 
+def _claimed(shard: int, row: list[Any]) -> Claimed:
+    fires, catch_up = split_tail(row[5].decode())
+    return Claimed(
+        shard=shard,
+        member=row[0].decode(),
+        fire_ms=int(row[1]),
+        nominal_ms=int(row[2]),
+        attempt=int(row[3]),
+        token=int(row[4]),
+        fires=fires,
+        plan=row[6],
+        catch_up=catch_up,
+    )
+
+
 def _parse_claim(shard: int, reply: list[Any]) -> ClaimResult:
     next_due = int(reply[1])
-    claimed = [
-        Claimed(
-            shard=shard,
-            member=reply[i].decode(),
-            fire_ms=int(reply[i + 1]),
-            nominal_ms=int(reply[i + 2]),
-            attempt=int(reply[i + 3]),
-            token=int(reply[i + 4]),
-            fires=int(reply[i + 5]),
-            plan=reply[i + 6],
-        )
-        for i in range(3, len(reply), 7)
-    ]
+    claimed = [_claimed(shard, reply[i : i + 7]) for i in range(4, len(reply), 7)]
     return ClaimResult(
-        shard, int(reply[0]), None if next_due < 0 else next_due, int(reply[2]), claimed
+        shard,
+        int(reply[0]),
+        None if next_due < 0 else next_due,
+        int(reply[2]),
+        claimed,
+        int(reply[3]),
     )
 
 
@@ -147,6 +174,7 @@ class Index:
             "occ": self.keys.occ,
             "sched": self.keys.sched,
             "seq": self.keys.seq,
+            "gone": self.keys.gone,
         }
         return [names[role](shard) for role in roles]
 
@@ -210,8 +238,9 @@ class Index:
 
     async def begin(
         self, items: dict[int, list[tuple[str, int, int]]], now_ms: int | None = None
-    ) -> dict[int, list[int]]:
-        """Per shard, (member, token, hold_ms) -> 1 current (lease held) or 0 stale."""
+    ) -> tuple[int, dict[int, list[int]]]:
+        """Per shard, (member, token, hold_ms) -> 1 current (lease held) or 0 stale; with the
+        Redis clock (ms) at the call, for misfire decisions."""
         calls = [
             (
                 "begin",
@@ -221,16 +250,21 @@ class Index:
             for s, batch in items.items()
         ]
         replies = await self._pipeline(calls)
-        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+        now = max((int(r[0]) for r in replies), default=0)
+        return now, {s: [int(c) for c in r[1:]] for s, r in zip(items, replies, strict=True)}
 
-    async def complete(self, items: dict[int, list[Completion]]) -> dict[int, list[int]]:
+    async def complete(
+        self, items: dict[int, list[Completion]], now_ms: int | None = None
+    ) -> dict[int, list[int]]:
         """Per shard, 1 completed or 0 stale for each completion."""
         calls = []
         for shard, batch in items.items():
-            args: list[Any] = []
+            args: list[Any] = [_opt(now_ms)]
             for c in batch:
                 args += [c.member, c.token, _opt(c.next_fire_ms), c.next_occ, int(c.finish)]
-            calls.append(("complete", self._keys(shard, "due", "lease", "occ", "sched"), args))
+            calls.append(
+                ("complete", self._keys(shard, "due", "lease", "occ", "sched", "gone"), args)
+            )
         replies = await self._pipeline(calls)
         return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
 
@@ -287,17 +321,22 @@ class Index:
             args: list[Any] = []
             for u in batch:
                 args += [u.member, u.version, u.plan, u.mode, _opt(u.next_fire_ms), u.next_occ]
-            calls.append(("upsert", self._keys(shard, "due", "lease", "occ", "sched"), args))
+            calls.append(
+                ("upsert", self._keys(shard, "due", "lease", "occ", "sched", "gone"), args)
+            )
         replies = await self._pipeline(calls)
         return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
 
-    async def remove(self, items: dict[int, list[tuple[str, int | None]]]) -> dict[int, list[int]]:
-        """Per shard, (member, version or None) -> 1 removed, 0 absent, -1 newer stored."""
+    async def remove(
+        self, items: dict[int, list[tuple[str, int | None]]], now_ms: int | None = None
+    ) -> dict[int, list[int]]:
+        """Per shard, (member, version or None) -> 1 removed, 0 absent, -1 newer stored.
+        Each removal leaves a tombstone of its version (see ``RedisKeys.gone``)."""
         calls = [
             (
                 "remove",
-                self._keys(s, "due", "lease", "occ", "sched"),
-                [v for member, version in batch for v in (member, _opt(version))],
+                self._keys(s, "due", "lease", "occ", "sched", "gone"),
+                [_opt(now_ms), *[v for member, version in batch for v in (member, _opt(version))]],
             )
             for s, batch in items.items()
         ]
@@ -316,6 +355,16 @@ class Index:
         calls = [("own", [self.keys.shard_owner(s)], [dispatcher_id, ttl_ms, mode]) for s in order]
         replies = await self._pipeline(calls) if calls else []
         return {s: bool(int(r)) for s, r in zip(order, replies, strict=True)}
+
+    async def forget(self, shard: int, tombstones: Sequence[tuple[str, bytes]]) -> int:
+        """Drop tombstones that still hold the value read (forget.lua); returns how many."""
+        args = [v for member, value in tombstones for v in (member, value)]
+        return int(await lua.call(self.client, "forget", [self.keys.gone(shard)], args))
+
+    async def wipe(self) -> None:
+        """Drop every shard's keys (an index found stale is rebuilt from scratch)."""
+        for shard in range(self.shards):
+            await self.client.unlink(*self._keys(shard, "due", "lease", "occ", "sched", "gone"))
 
     async def knows(self, shard: int, member: str) -> bool:
         """Whether the member is due, in flight or has an occurrence state in the index."""

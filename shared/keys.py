@@ -59,8 +59,13 @@ class RedisKeys:
         return f"{self.prefix}:{{{shard}}}:sched"
 
     def occ(self, shard: int) -> str:
-        """HASH member -> current occurrence ``nominal|attempt|token|fires``."""
+        """HASH member -> current occurrence ``nominal|attempt|token|fires[|flags]``."""
         return f"{self.prefix}:{{{shard}}}:occ"
+
+    def gone(self, shard: int) -> str:
+        """HASH ``ns/id`` -> ``version|ms``: tombstones of schedules deleted or finished at that
+        version, so no write of an older one (a rebuild, a repair) brings them back."""
+        return f"{self.prefix}:{{{shard}}}:gone"
 
     def seq(self, shard: int) -> str:
         """STRING counter that mints fencing tokens."""

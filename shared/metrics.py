@@ -88,12 +88,20 @@ REBUILD_DURATION = Gauge(
     "cronbus_rebuild_duration_seconds", "How long the last completed rebuild took."
 )
 REBUILD_RUNNING = Gauge("cronbus_rebuild_running", "1 while a rebuild is in progress.")
+STALE_INDEX = Counter(
+    "cronbus_stale_index_total",
+    "Indexes found behind PostgreSQL's generation (restored from an older snapshot) and rebuilt.",
+)
+TOMBSTONES_TRIMMED = Counter(
+    "cronbus_tombstones_trimmed_total",
+    "Tombstones of deleted or finished schedules dropped once PostgreSQL agreed with them.",
+)
 INDEX_EPOCH_PRESENT = Gauge(
     "cronbus_index_epoch_present", "1 when the index is complete (cronbus:meta:epoch is set)."
 )
 DRIFT_REPAIRED = Counter(
     "cronbus_drift_repaired_total",
-    "Index entries repaired from PostgreSQL, by kind (stale, missing, orphan).",
+    "Index entries repaired from PostgreSQL, by kind (stale, missing, orphan, pending).",
     ["kind"],
 )
 PARTITIONS_DROPPED = Counter(

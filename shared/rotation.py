@@ -38,20 +38,22 @@ class Placement:
     last_fire_ms: int | None
 
 
-def fresh_start(plan: Plan, now_ms: int) -> int | None:
+def fresh_start(plan: Plan, now_ms: int, member: str = "") -> int | None:
     """The first occurrence of a new (or changed) rotation, misfire policy applied."""
-    return schedule.resolve_due(plan, schedule.first_nominal(plan, now_ms), now_ms)
+    return schedule.resolve_due(plan, schedule.first_nominal(plan, now_ms), now_ms, member)
 
 
-def continuation(plan: Plan, fires: int, last_fire_ms: int | None, now_ms: int) -> int | None:
+def continuation(
+    plan: Plan, fires: int, last_fire_ms: int | None, now_ms: int, member: str = ""
+) -> int | None:
     """Where a rotation picks up after a pause or an outage: the rule's next time after the
     last fire, with the misfire policy deciding what to do about the times missed meanwhile."""
     if schedule.is_exhausted(plan, fires):
         return None
     if last_fire_ms is None:
-        return fresh_start(plan, now_ms)
+        return fresh_start(plan, now_ms, member)
     candidate = schedule.following(plan, last_fire_ms, now_ms)
-    return schedule.resolve_due(plan, candidate, now_ms)
+    return schedule.resolve_due(plan, candidate, now_ms, member)
 
 
 def _finished_or(
@@ -62,7 +64,9 @@ def _finished_or(
     return Placement(state, mode, next_nominal, fires, last_fire_ms)
 
 
-def place_upsert(current: Current | None, plan: Plan, paused: bool, now_ms: int) -> Placement:
+def place_upsert(
+    current: Current | None, plan: Plan, paused: bool, now_ms: int, member: str = ""
+) -> Placement:
     """Create, or replace, a schedule. A replacement that keeps the fire times (same rule,
     window, count and jitter) keeps its rotation, fire count and checkpoint; any other
     replacement starts a new rotation from now."""
@@ -70,29 +74,30 @@ def place_upsert(current: Current | None, plan: Plan, paused: bool, now_ms: int)
     if current is None or not live or not same_rotation(current.plan, plan):
         if paused:
             return Placement("paused", "park", None, 0, None)
-        return _finished_or("active", "reset", fresh_start(plan, now_ms), 0, None)
+        return _finished_or("active", "reset", fresh_start(plan, now_ms, member), 0, None)
     fires, last = current.fires, current.last_fire_ms
     if paused:
         return Placement("paused", "park", None, fires, last)
     if current.state == "completed":
         return Placement("completed", None, None, fires, last)
     if current.state == "paused":
-        return _finished_or("active", "reset", continuation(plan, fires, last, now_ms), fires, last)
+        resumed = continuation(plan, fires, last, now_ms, member)
+        return _finished_or("active", "reset", resumed, fires, last)
     pending = current.next_fire_ms
     next_nominal = (
-        schedule.resolve_due(plan, pending, now_ms)
+        schedule.resolve_due(plan, pending, now_ms, member)
         if pending is not None
-        else continuation(plan, fires, last, now_ms)
+        else continuation(plan, fires, last, now_ms, member)
     )
     return _finished_or("active", "keep", next_nominal, fires, last)
 
 
-def place_resume(current: Current, now_ms: int) -> Placement:
+def place_resume(current: Current, now_ms: int, member: str = "") -> Placement:
     """A paused schedule goes back into rotation where it left off (misfire policy applied)."""
     return _finished_or(
         "active",
         "reset",
-        continuation(current.plan, current.fires, current.last_fire_ms, now_ms),
+        continuation(current.plan, current.fires, current.last_fire_ms, now_ms, member),
         current.fires,
         current.last_fire_ms,
     )
@@ -153,9 +158,9 @@ def index_entry(
     if state != "active":
         return None
     if next_fire_ms is not None and not schedule.is_exhausted(plan, fires):
-        nominal = schedule.resolve_due(plan, next_fire_ms, now_ms)
+        nominal = schedule.resolve_due(plan, next_fire_ms, now_ms, member)
     else:
-        nominal = continuation(plan, fires, last_fire_ms, now_ms)
+        nominal = continuation(plan, fires, last_fire_ms, now_ms, member)
     if nominal is None:
         return None
     fire = schedule.fire_at_ms(plan, member, nominal)

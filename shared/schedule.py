@@ -5,7 +5,8 @@ the intake, the sweeper and ``cronbus preview`` all compute the same answers.
 
 Vocabulary: a *nominal* time is when the rule says an occurrence is due; the *fire* time is
 the nominal time plus the occurrence's deterministic jitter, and is what the index sorts by.
-An occurrence is *missed* when its nominal time is more than the misfire grace before now.
+An occurrence is *missed* when its due time (the fire time: nominal plus jitter) is more than
+the misfire grace before now; lateness is never measured from the nominal time alone.
 """
 
 from __future__ import annotations
@@ -127,31 +128,69 @@ def following(plan: Plan, nominal_ms: int, finished_ms: int) -> int | None:
     return next_nominal(plan, nominal_ms)
 
 
-def resolve_due(plan: Plan, candidate_ms: int | None, now_ms: int) -> int | None:
+def resolve_due(plan: Plan, candidate_ms: int | None, now_ms: int, member: str = "") -> int | None:
     """The nominal time that should fire next, given the rule's next one is ``candidate_ms``.
 
-    On time (or late by less than the grace) the candidate fires. Missed: ``skip`` jumps to the
-    first time that is not missed, ``fire_once`` fires one catch-up (the latest missed time),
-    ``fire_all`` replays missed times oldest first, at most ``limit`` of them and none older
-    than ``window``. A fixed-delay rule is never missed: it is simply late. None: no more fires.
+    An occurrence is missed when its *due* time (nominal plus its jitter offset, which needs
+    the schedule's ``member``) is more than the grace before now: jitter is never lateness.
+    On time, the candidate fires. Missed: ``skip`` jumps to the first time that is on time,
+    ``fire_once`` fires one catch-up (the latest missed time), ``fire_all`` replays missed
+    times oldest first, at most ``limit`` of them and none older than ``window``. A fixed-delay
+    rule is never missed: it is simply late. None: no more fires.
     """
     if candidate_ms is None or isinstance(plan.rule, AfterCompletionRule):
         return candidate_ms
+    if not is_missed(plan, member, candidate_ms, now_ms):
+        return candidate_ms
     misfire = plan.misfire
     missed_before = now_ms - misfire.grace_ms
-    if candidate_ms >= missed_before:
-        return candidate_ms
+    on_time = first_on_time(plan, member, candidate_ms, missed_before)
     if misfire.policy == "skip":
-        return next_nominal(plan, missed_before - 1)
+        return on_time
+    # Every nominal time in [candidate, bound) is missed.
+    bound = missed_before if on_time is None else on_time
     if misfire.policy == "fire_once":
-        return previous_nominal(plan, missed_before, candidate_ms)
-    return _replay_start(plan, candidate_ms, now_ms - misfire.window_ms, missed_before)
+        return previous_nominal(plan, bound, candidate_ms)
+    return _replay_start(plan, candidate_ms, now_ms - misfire.window_ms, bound)
+
+
+def is_missed(plan: Plan, member: str, nominal_ms: int, now_ms: int) -> bool:
+    """Whether the occurrence's due time (nominal + jitter) is more than the grace before now.
+    A fixed-delay rule is never missed."""
+    if isinstance(plan.rule, AfterCompletionRule):
+        return False
+    return fire_at_ms(plan, member, nominal_ms) < now_ms - plan.misfire.grace_ms
+
+
+#: Most nominal times examined one by one when jitter spans many of them.
+_ON_TIME_SEARCH_STEPS = 10_000
+
+
+def first_on_time(plan: Plan, member: str, candidate_ms: int, missed_before: int) -> int | None:
+    """The first nominal time at or after ``candidate_ms`` whose due time (nominal + jitter) is
+    not before ``missed_before``; None when the rule has no such time.
+
+    Times before ``missed_before - jitter`` are missed whatever their offset, and times at or
+    after ``missed_before`` are on time whatever their offset: only the span between is walked.
+    """
+    start = max(candidate_ms, missed_before - plan.jitter_ms)
+    current = next_nominal(plan, start - 1)
+    for _ in range(_ON_TIME_SEARCH_STEPS):
+        if current is None or current >= missed_before:
+            return current
+        if fire_at_ms(plan, member, current) >= missed_before:
+            return current
+        current = next_nominal(plan, current)
+    return next_nominal(plan, missed_before - 1)
 
 
 def _replay_start(
     plan: Plan, candidate_ms: int, window_floor: int, missed_before: int
 ) -> int | None:
-    """fire_all: the oldest missed time still to replay (within the window, the latest limit)."""
+    """fire_all: the oldest missed time still to replay (within the window, the latest limit).
+
+    ``missed_before`` bounds the missed times: the first on-time nominal (or the grace line).
+    """
     first = candidate_ms if candidate_ms >= window_floor else next_nominal(plan, window_floor - 1)
     if first is None or first >= missed_before:
         return first
@@ -201,15 +240,34 @@ def fire_at_ms(plan: Plan, member: str, nominal_ms: int) -> int:
 
 
 def idempotency_key(namespace: str, schedule_id: str, nominal_ms: int) -> str:
-    """Derived from the occurrence identity and nothing else, so every re-delivery repeats it.
+    """The key of a regular occurrence: derived from its identity and nothing else, so every
+    re-delivery repeats it. Never change the name hashed here: keys are stable across versions.
+    """
+    return _uuid5(f"{namespace}/{schedule_id}@{nominal_ms}")
 
-    A UUIDv5 (RFC 4122: SHA-1 of the namespace UUID and the name, version and variant bits
+
+def trigger_key(namespace: str, schedule_id: str, trigger_ms: int) -> str:
+    """The key of a triggered run: its identity is (namespace, id, trigger time, *trigger*).
+
+    The ``#trigger`` suffix keeps it apart from the regular occurrence at the same instant (a
+    regular name never holds ``#``: ids may not contain it).
+    """
+    return _uuid5(f"{namespace}/{schedule_id}@{trigger_ms}#trigger")
+
+
+def occurrence_key(namespace: str, schedule_id: str, nominal_ms: int, *, trigger: bool) -> str:
+    """The idempotency key of a regular occurrence or of a triggered run."""
+    if trigger:
+        return trigger_key(namespace, schedule_id, nominal_ms)
+    return idempotency_key(namespace, schedule_id, nominal_ms)
+
+
+def _uuid5(name: str) -> str:
+    """A UUIDv5 (RFC 4122: SHA-1 of the namespace UUID and the name, version and variant bits
     set), built directly rather than through ``uuid.uuid5``: it is on every delivery's path.
     """
     digest = bytearray(
-        hashlib.sha1(
-            _KEY_PREFIX + f"{namespace}/{schedule_id}@{nominal_ms}".encode(), usedforsecurity=False
-        ).digest()[:16]
+        hashlib.sha1(_KEY_PREFIX + name.encode(), usedforsecurity=False).digest()[:16]
     )
     digest[6] = (digest[6] & 0x0F) | 0x50
     digest[8] = (digest[8] & 0x3F) | 0x80

@@ -136,6 +136,54 @@ class Checkpoint:
     next_fire_ms: int | None
     fires: int
     finished: bool = False
+    #: The version of the schedule the occurrence ran under: a checkpoint from before a
+    #: change that restarted the rotation is refused (see ``write_checkpoints``).
+    version: int = 0
+
+
+#: Statuses after which an occurrence is never attempted again.
+FINAL_STATUSES = frozenset({"succeeded", "dead"})
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRun:
+    """An occurrence outside the rotation, kept in PostgreSQL until its run completes.
+
+    ``kind`` is ``trigger`` (a ``backfill`` kind is reserved for backfilled occurrences).
+    """
+
+    namespace: str
+    id: str
+    kind: str
+    nominal_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRunRow:
+    """A pending run with what the index needs of its (not deleted) schedule."""
+
+    run: PendingRun
+    version: int
+    state: str
+    compact: bytes
+
+    @classmethod
+    def of(cls, record: asyncpg.Record) -> PendingRunRow:
+        return cls(
+            PendingRun(record["namespace"], record["id"], record["kind"], record["nominal_ms"]),
+            record["version"],
+            record["state"],
+            bytes(record["compact"]),
+        )
+
+
+def finished_runs(rows: Sequence[ExecutionRow]) -> list[PendingRun]:
+    """The pending runs these execution rows complete: triggers that succeeded or died."""
+    return [
+        PendingRun(r.namespace, r.id, "trigger", r.nominal_ms)
+        for r in rows
+        if r.is_trigger and r.status in FINAL_STATUSES
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,19 +352,83 @@ class Store:
         )
         return reply
 
-    async def execution_exists(self, namespace: str, schedule_id: str, nominal_ms: int) -> bool:
+    async def execution_exists(
+        self, namespace: str, schedule_id: str, nominal_ms: int, *, is_trigger: bool = False
+    ) -> bool:
         return bool(
             await self.pool.fetchval(
-                QUERIES["execution_exists"], namespace, schedule_id, nominal_ms
+                QUERIES["execution_exists"], namespace, schedule_id, nominal_ms, is_trigger
             )
         )
+
+    # --- pending runs (outside the rotation, durable until they complete) ---------------------
+
+    async def add_pending_run(self, conn: Connection, run: PendingRun) -> bool:
+        """False when that very run is pending already (nothing written)."""
+        added = await conn.fetchval(
+            QUERIES["add_pending_run"], run.namespace, run.id, run.kind, run.nominal_ms
+        )
+        return added is not None
+
+    async def drop_pending_runs(
+        self, conn: Connection, namespace: str, schedule_id: str
+    ) -> list[PendingRun]:
+        records = await conn.fetch(QUERIES["drop_pending_runs"], namespace, schedule_id)
+        return [PendingRun(r["namespace"], r["id"], r["kind"], r["nominal_ms"]) for r in records]
+
+    async def pending_run_exists(self, run: PendingRun) -> bool:
+        return bool(
+            await self.pool.fetchval(
+                QUERIES["pending_run_exists"], run.namespace, run.id, run.kind, run.nominal_ms
+            )
+        )
+
+    async def live_pending_runs(self, batch: int) -> AsyncIterator[list[PendingRunRow]]:
+        """Every pending run of a schedule that is not deleted, ``batch`` rows at a time."""
+        async with self.pool.acquire() as conn, conn.transaction(readonly=True):
+            chunk: list[PendingRunRow] = []
+            async for record in conn.cursor(QUERIES["live_pending_runs"], prefetch=batch):
+                chunk.append(PendingRunRow.of(record))
+                if len(chunk) >= batch:
+                    yield chunk
+                    chunk = []
+            if chunk:
+                yield chunk
+
+    async def old_pending_runs(self, before_ms: int, limit: int) -> list[PendingRunRow]:
+        """Pending runs accepted before ``before_ms``, oldest first, at most ``limit``."""
+        records = await self.pool.fetch(QUERIES["old_pending_runs"], before_ms, limit)
+        return [PendingRunRow.of(record) for record in records]
 
     # --- the firing path (batched) ------------------------------------------------------------
 
     async def write_executions(self, rows: Sequence[ExecutionRow]) -> None:
-        """One statement for the whole batch; the latest attempt of an occurrence wins."""
-        batch = _latest(rows, lambda r: (r.namespace, r.id, r.nominal_ms), lambda r: r.attempts)
-        await self.pool.execute(
+        """One statement for the whole batch; the latest attempt of an occurrence wins.
+
+        Runs outside the rotation that these rows complete stop being pending in the same
+        transaction (a second statement only when the batch completes any).
+        """
+        batch = _latest(
+            rows,
+            lambda r: (r.namespace, r.id, r.nominal_ms, r.is_trigger),
+            lambda r: r.attempts,
+        )
+        done = finished_runs(batch)
+        if not done:
+            await self._write_executions(self.pool, batch)
+            return
+        async with self.transaction() as conn:
+            await self._write_executions(conn, batch)
+            await conn.execute(
+                QUERIES["finish_pending_runs"],
+                [r.namespace for r in done],
+                [r.id for r in done],
+                [r.kind for r in done],
+                [r.nominal_ms for r in done],
+            )
+
+    async def _write_executions(self, target: Any, batch: Sequence[ExecutionRow]) -> None:
+        await target.execute(
             QUERIES["write_executions"],
             [r.namespace for r in batch],
             [r.id for r in batch],
@@ -342,6 +454,7 @@ class Store:
             [c.next_fire_ms for c in batch],
             [c.fires for c in batch],
             [c.finished for c in batch],
+            [c.version for c in batch],
         )
 
     async def recent_executions(
@@ -375,6 +488,17 @@ class Store:
                     chunk = []
             if chunk:
                 yield chunk
+
+    async def clock_ms(self) -> int:
+        """PostgreSQL's clock, which stamps ``updated_at``."""
+        return int(await self.pool.fetchval(QUERIES["clock_ms"]))
+
+    async def index_generation(self) -> int:
+        """The generation the Redis index must be at (or ahead of)."""
+        return int(await self.pool.fetchval(QUERIES["index_generation"]))
+
+    async def advance_index_generation(self, generation: int) -> None:
+        await self.pool.execute(QUERIES["advance_index_generation"], generation)
 
     async def schedule_versions(self, members: Sequence[tuple[str, str]]) -> list[LiveSchedule]:
         records = await self.pool.fetch(

@@ -38,11 +38,13 @@ from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
 from shared.index import Index
 from shared.plan import AfterCompletionRule, Plan
-from shared.store import CommandAudit, NewScheduleRow, ScheduleRow, Store
+from shared.store import CommandAudit, NewScheduleRow, PendingRun, ScheduleRow, Store
 
 log = logging.getLogger(__name__)
 
 NEXT_FIRES_SHOWN = 5
+#: How far (ms) a trigger may move forward to get an identity of its own.
+MAX_TRIGGER_SHIFT_MS = 1000
 Wake = Callable[[int, int], Awaitable[None]]
 
 
@@ -344,7 +346,9 @@ class Intake:
             version = (old.version if old is not None else 0) + 1
             plan = dataclasses.replace(checked, version=version)
             current = _current_of(old) if live and old is not None else None
-            placement = rotation.place_upsert(current, plan, item.paused, now)
+            placement = rotation.place_upsert(
+                current, plan, item.paused, now, keys.member(namespace, item.id)
+            )
             row = await self.store.put_schedule(
                 conn,
                 NewScheduleRow(
@@ -373,11 +377,14 @@ class Intake:
             version = old.version + 1
             gone = rotation.Placement("deleted", None, None, old.fires, old.last_fire_ms)
             row = await self.store.put_schedule(conn, _next_version(old, gone, old.definition))
+            dropped = await self.store.drop_pending_runs(conn, namespace, schedule_id)
             reply = {"ok": True, "schedule": view(row, now)}
             await self._record(conn, audit, version, reply)
         shard = self.index.shard_of(namespace, schedule_id)
         member = keys.member(namespace, schedule_id)
-        await self._write_index(lambda: self.index.remove({shard: [(member, version)]}))
+        # Its pending triggers go too, even one already handed to the broker: fenced out.
+        gone_runs = [(m, None) for m in _trigger_members(dropped)]
+        await self._write_index(lambda: self.index.remove({shard: [(member, version), *gone_runs]}))
         return reply
 
     async def pause(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
@@ -401,7 +408,9 @@ class Intake:
             plan = dataclasses.replace(compact.decode(old.compact), version=version)
             current = _current_of(old)
             placement = (
-                rotation.place_pause(current) if paused else rotation.place_resume(current, now)
+                rotation.place_pause(current)
+                if paused
+                else rotation.place_resume(current, now, keys.member(namespace, schedule_id))
             )
             row = await self.store.put_schedule(
                 conn, _next_version(old, placement, {**old.definition, "paused": paused})
@@ -414,15 +423,16 @@ class Intake:
     async def trigger(
         self, namespace: str, schedule_id: str, audit: CommandAudit
     ) -> dict[str, Any]:
-        now = self.now_ms()
         async with self.store.transaction() as conn:
             old = await self._existing(conn, namespace, schedule_id)
+            # Durable before the reply says ok: a rebuild of a lost index restores it.
+            now = await self._pending_trigger(conn, namespace, schedule_id, self.now_ms())
             reply = {
                 "ok": True,
                 "schedule": view(old, now),
                 "trigger": {
                     "fire_time": timefmt.format_ms(now),
-                    "idempotency_key": schedule.idempotency_key(namespace, schedule_id, now),
+                    "idempotency_key": schedule.trigger_key(namespace, schedule_id, now),
                 },
             }
             await self._record(conn, audit, old.version, reply)
@@ -432,7 +442,7 @@ class Intake:
         # the rotation ('keep' leaves a running rotation alone, 'park' keeps a paused one out).
         current = _current_of(old)
         placement = (
-            rotation.place_upsert(current, plan, False, now)
+            rotation.place_upsert(current, plan, False, now, keys.member(namespace, schedule_id))
             if old.state == "active"
             else rotation.Placement("paused", "park", None, old.fires, old.last_fire_ms)
         )
@@ -441,6 +451,22 @@ class Intake:
         await self._write_index(lambda: self.index.add_trigger(shard, member, now))
         await self.wake(shard, now)
         return reply
+
+    async def _pending_trigger(
+        self, conn: Any, namespace: str, schedule_id: str, now_ms: int
+    ) -> int:
+        """Keep a new trigger pending; returns its time. A trigger's identity is its time, so
+        a second trigger of the schedule within the same millisecond takes the next free one
+        (the schedule's row lock orders them)."""
+        for offset in range(MAX_TRIGGER_SHIFT_MS):
+            run = PendingRun(namespace, schedule_id, "trigger", now_ms + offset)
+            if await self.store.add_pending_run(conn, run):
+                return run.nominal_ms
+        raise ValidationFailed(
+            "conflict",
+            f"more than {MAX_TRIGGER_SHIFT_MS} triggers of {namespace}/{schedule_id} pending now",
+            [{"field": "id", "reason": "too many triggers at once; try again"}],
+        )
 
     async def get(self, namespace: str, schedule_id: str) -> dict[str, Any]:
         row = await self.store.get_schedule(namespace, schedule_id)
@@ -498,8 +524,10 @@ class Intake:
         member = keys.trigger_member(namespace, schedule_id, fire_ms)
         if await self.index.knows(shard, member):
             return
-        if await self.store.execution_exists(namespace, schedule_id, fire_ms):
-            return
+        if not await self.store.pending_run_exists(
+            PendingRun(namespace, schedule_id, "trigger", fire_ms)
+        ):
+            return  # it ran to completion (or its schedule was deleted)
         await self.index.add_trigger(shard, member, fire_ms)
         await self.wake(shard, fire_ms)
 
@@ -550,6 +578,14 @@ def _next_version(
         placement.last_fire_ms,
         placement.next_nominal,
     )
+
+
+def _trigger_members(runs: list[PendingRun]) -> list[str]:
+    return [
+        keys.trigger_member(run.namespace, run.id, run.nominal_ms)
+        for run in runs
+        if run.kind == "trigger"
+    ]
 
 
 def _current_of(row: ScheduleRow) -> rotation.Current:

@@ -16,8 +16,8 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -26,7 +26,7 @@ from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import delivery, metrics, schedule, transient
+from shared import delivery, metrics, transient
 from shared.batcher import Batcher
 from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
@@ -58,6 +58,16 @@ def _in_order(items: Sequence[tuple[int, object]], codes: dict[int, list[int]]) 
     return ordered
 
 
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _poison_reason(headers: Mapping[str, Any]) -> str:
+    why = _text(headers.get("x-first-death-reason", "rejected"))
+    count = _text(headers.get("x-delivery-count", "too many"))
+    return f"delivery message dead-lettered ({why}, delivered {count} times)"
+
+
 class Executor:
     def __init__(
         self,
@@ -83,6 +93,15 @@ class Executor:
         self.lease_ms = round(settings.lease_s * 1000)
         #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
         self._holding: dict[tuple[int, str], int] = {}
+        #: Occurrences received and waiting for a delivery slot: their leases are kept alive
+        #: (``keep_waiting_leases``) so a long wait never lets the sweeper hand them out again.
+        self._waiting: dict[tuple[int, str], int] = {}
+        self._begin = Batcher(
+            self._flush_begin,
+            max_delay_ms=settings.complete_flush_ms,
+            max_items=BATCH_ITEMS,
+            name="begin",
+        )
         self._complete = Batcher(
             self._flush_complete,
             max_delay_ms=settings.complete_flush_ms,
@@ -101,8 +120,12 @@ class Executor:
 
     # --- batched Redis calls ------------------------------------------------------------------
 
-    async def _flush_begin(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[int]:
-        return _in_order(items, await self.index.begin(_by_shard(items)))
+    async def _flush_begin(
+        self, items: Sequence[tuple[int, tuple[str, int, int]]]
+    ) -> list[int | None]:
+        """Per item, the Redis clock (ms) when its lease is held, or None when it is stale."""
+        now, codes = await self.index.begin(_by_shard(items))
+        return [now if code else None for code in _in_order(items, codes)]
 
     async def _flush_complete(self, items: Sequence[tuple[int, Completion]]) -> list[int]:
         codes = _in_order(items, await self.index.complete(_by_shard(items)))
@@ -148,8 +171,11 @@ class Executor:
             return
         try:
             await self.audit.wait_for_room()
-            live = await self.begin(occurrences)
-            await asyncio.gather(*(self.process(occ) for occ in live))
+            live = await self.hold(occurrences)
+            try:
+                await asyncio.gather(*(self.process(occ) for occ in live))
+            finally:
+                self._stop_waiting(live)
         except (transient.Stopped, asyncio.CancelledError) as exc:
             # Handed back: the redelivery's fencing skips whatever was settled already.
             with contextlib.suppress(Exception):
@@ -168,47 +194,132 @@ class Executor:
             # If the ack is lost the broker redelivers, and fencing skips what is settled.
             await message.ack()
 
-    async def begin(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
-        """Fence a message's occurrences in one round trip: those whose token is still
-        current are held (lease extended for the delivery); the others are stale."""
-        items = [
-            (occ.shard, (occ.member, occ.token, occ.plan.target.timeout_ms + self.lease_ms))
-            for occ in occurrences
-        ]
-        codes = await transient.retry(
-            lambda: self._flush_begin(items), what="begin", stopping=self.stopping
-        )
-        live = []
-        for occ, code in zip(occurrences, codes, strict=True):
-            if code:
-                self._holding[(occ.shard, occ.member)] = occ.token
-                live.append(occ)
-            else:
-                metrics.STALE.labels("begin").inc()
-        return live
+    def _stop_waiting(self, occurrences: Sequence[Occurrence]) -> None:
+        """A message given up (handed back, or parked as a bug): its leases are no longer
+        kept alive here, so the sweeper or a redelivery takes its occurrences over."""
+        for occ in occurrences:
+            if self._waiting.get((occ.shard, occ.member)) == occ.token:
+                del self._waiting[(occ.shard, occ.member)]
 
-    async def process(self, occ: Occurrence) -> None:
-        """Deliver and settle one fenced occurrence (waiting out Redis outages)."""
-        key = schedule.idempotency_key(occ.namespace, occ.id, occ.nominal_ms)
-        chosen = settle.missed_choice(occ, self.now_ms())
-        if chosen != occ.nominal_ms:
-            metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
-            log.info(
-                "missed occurrence skipped by its misfire policy",
+    async def settle_dead_letter(self, message: AbstractIncomingMessage) -> None:
+        """A delivery message the broker dead-lettered (redelivered past its limit: it kept
+        crashing executors, or was parked as a bug): each occurrence still current ends
+        ``dead`` with the reason, an event is published, and its rotation goes on."""
+        try:
+            occurrences = delivery.decode(message.body)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error(
+                "dead-lettered delivery message is not one: dropped",
                 extra={
-                    "action": "misfire",
-                    "schedule": occ.member,
-                    "nominal_ms": occ.nominal_ms,
-                    "next_ms": chosen,
-                    "policy": occ.plan.misfire.policy,
+                    "action": "dead_letter_dropped",
+                    "error": repr(exc),
+                    "body": message.body[:1024].decode("utf-8", "replace"),
                 },
             )
-            await self._settle(occ, settle.skip(occ, key, chosen, self.now_ms()))
+            await message.ack()
             return
+        reason = _poison_reason(message.headers or {})
+        for occ in occurrences:
+            now = await self.begin(occ)
+            if now is not None:
+                key = occ.idempotency_key
+                log.error(
+                    "poison delivery: occurrence ends dead",
+                    extra={"action": "poison", "schedule": occ.member, "reason": reason},
+                )
+                await self._settle(occ, settle.poisoned(occ, key, reason, now))
+        await message.ack()
+
+    async def hold(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
+        """Fence a message's occurrences as it arrives, in one round trip: those whose token
+        is current have their lease held while they wait for a delivery slot; the others are
+        stale (another copy took care of them) and are dropped."""
+        items = [(occ.shard, (occ.member, occ.token, self.lease_ms)) for occ in occurrences]
+        results = await transient.retry(
+            lambda: self._flush_begin(items), what="hold", stopping=self.stopping
+        )
+        live = []
+        for occ, now in zip(occurrences, results, strict=True):
+            if now is None:
+                metrics.STALE.labels("begin").inc()
+            else:
+                self._waiting[(occ.shard, occ.member)] = occ.token
+                live.append(occ)
+        return live
+
+    async def keep_waiting_leases(self) -> None:
+        """Extend the leases of occurrences still waiting for a slot (one round trip for
+        all); those found stale meanwhile are left to whichever copy is current."""
+        waiting = list(self._waiting.items())
+        for start in range(0, len(waiting), BATCH_ITEMS):
+            chunk = waiting[start : start + BATCH_ITEMS]
+            items = [(shard, (member, token, self.lease_ms)) for (shard, member), token in chunk]
+            results = await self._flush_begin(items)
+            for ((shard, member), token), now in zip(chunk, results, strict=True):
+                if now is None and self._waiting.get((shard, member)) == token:
+                    del self._waiting[(shard, member)]
+
+    async def run_lease_keeper(self, stopping: asyncio.Event) -> None:
+        await transient.every(
+            max(self.lease_ms / 3000, 0.1),
+            self.keep_waiting_leases,
+            what="lease keeper",
+            stopping=stopping,
+        )
+
+    async def begin(self, occ: Occurrence) -> int | None:
+        """Fence one occurrence as its delivery starts: if its token is still current, hold
+        its lease for the delivery and return the Redis clock (ms); None when it is stale.
+        Calls from occurrences starting together go to Redis in one round trip."""
+        hold_ms = occ.plan.target.timeout_ms + self.lease_ms
+        now = await transient.retry(
+            lambda: self._begin.submit((occ.shard, (occ.member, occ.token, hold_ms))),
+            what="begin",
+            stopping=self.stopping,
+        )
+        if now is None:
+            metrics.STALE.labels("begin").inc()
+        else:
+            self._holding[(occ.shard, occ.member)] = occ.token
+        return now
+
+    async def process(self, occ: Occurrence) -> None:
+        """Deliver and settle one occurrence (waiting out Redis outages).
+
+        The lease is checked and extended only once a concurrency slot is free, right before
+        the delivery: an occurrence whose lease ran out while it waited was handed out again
+        by the sweeper, and is left to that copy. Misfire decisions use the Redis clock.
+        """
+        key = occ.idempotency_key
         async with self.slots:
-            outcome, started, finished = await self._deliver(occ, key)
+            self._waiting.pop((occ.shard, occ.member), None)
+            now = await self.begin(occ)
+            if now is None:
+                return
+            chosen = settle.missed_choice(occ, now)
+            if chosen == occ.nominal_ms:
+                outcome, started, finished = await self._deliver(occ, key)
+                # Clocks: started/finished time the attempt on this host; decisions use Redis.
+                settled_now = now + (finished - started)
+        if chosen != occ.nominal_ms:
+            self._log_misfire(occ, chosen)
+            await self._settle(occ, settle.skip(occ, key, chosen, now))
+            return
         await self._settle(
-            occ, settle.settle(occ, key, outcome, started, finished, self.now_ms(), self.rng)
+            occ, settle.settle(occ, key, outcome, started, finished, settled_now, self.rng)
+        )
+
+    def _log_misfire(self, occ: Occurrence, chosen: int | None) -> None:
+        metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
+        log.info(
+            "missed occurrence skipped by its misfire policy",
+            extra={
+                "action": "misfire",
+                "schedule": occ.member,
+                "nominal_ms": occ.nominal_ms,
+                "next_ms": chosen,
+                "policy": occ.plan.misfire.policy,
+            },
         )
 
     async def _deliver(self, occ: Occurrence, key: str) -> tuple[Outcome, int, int]:
@@ -311,5 +422,5 @@ class Executor:
         return 0
 
     async def drain(self) -> None:
-        for batcher in (self._complete, self._retry):
+        for batcher in (self._begin, self._complete, self._retry):
             await batcher.drain()

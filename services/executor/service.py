@@ -70,6 +70,7 @@ class ExecutorService(ServiceBase):
         await amqp.declare_topology(channel)
         await channel.set_qos(prefetch_count=settings.prefetch)
         tasks.start("audit-writer", audit.run(stopping))
+        tasks.start("lease-keeper", executor.run_lease_keeper(stopping))
         queue = await amqp.deliveries_queue_of(channel)
 
         async def on_delivery(message: AbstractIncomingMessage) -> None:
@@ -78,6 +79,8 @@ class ExecutorService(ServiceBase):
             task.add_done_callback(self._messages.discard)
 
         consumer_tag = await queue.consume(on_delivery)
+        dead = await amqp.dead_deliveries_queue_of(channel)
+        await dead.consume(executor.settle_dead_letter)
         self.consuming = True
         log.info("executor ready", extra={"action": "ready"})
         await stopping.wait()

@@ -39,29 +39,40 @@ class Settlement:
 
 
 def _rotate(
-    occ: Occurrence, next_nominal: int | None, fires: int, passed_ms: int
+    occ: Occurrence, next_nominal: int | None, fires: int, passed_ms: int, catch_up: bool = False
 ) -> tuple[Completion, Checkpoint]:
-    """Complete ``occ`` and put the schedule's next occurrence (or finish it)."""
+    """Complete ``occ`` and put the schedule's next occurrence (or finish it).
+
+    ``catch_up`` marks a next occurrence the misfire policy chose: it is delivered when
+    claimed, however late, instead of being judged (and perhaps skipped) again.
+    """
     plan = occ.plan
     if next_nominal is None:
         return (
             Completion(occ.member, occ.token, None, "", finish=True),
-            Checkpoint(occ.namespace, occ.id, passed_ms, None, fires, finished=True),
+            Checkpoint(
+                occ.namespace, occ.id, passed_ms, None, fires, finished=True, version=plan.version
+            ),
         )
     fire = schedule.fire_at_ms(plan, occ.member, next_nominal)
-    state = resting_occ_state(next_nominal, fire, fires, plan.max_fires is not None)
+    state = resting_occ_state(next_nominal, fire, fires, plan.max_fires is not None, catch_up)
     return (
         Completion(occ.member, occ.token, fire, state),
-        Checkpoint(occ.namespace, occ.id, passed_ms, next_nominal, fires),
+        Checkpoint(occ.namespace, occ.id, passed_ms, next_nominal, fires, version=plan.version),
     )
 
 
-def next_nominal_after(occ: Occurrence, fires: int, finished_ms: int, now_ms: int) -> int | None:
+def next_nominal_after(
+    occ: Occurrence, fires: int, finished_ms: int, now_ms: int
+) -> tuple[int | None, bool]:
+    """The schedule's next nominal time after ``occ``, and whether the misfire policy chose it
+    (the rule's next time was already missed when ``occ`` finished)."""
     plan = occ.plan
     if schedule.is_exhausted(plan, fires):
-        return None
+        return None, False
     candidate = schedule.following(plan, occ.nominal_ms, finished_ms)
-    return schedule.resolve_due(plan, candidate, now_ms)
+    chosen = schedule.resolve_due(plan, candidate, now_ms, occ.member)
+    return chosen, candidate is not None and schedule.is_missed(plan, occ.member, candidate, now_ms)
 
 
 def finish(occ: Occurrence, finished_ms: int, now_ms: int) -> tuple[Completion, Checkpoint | None]:
@@ -69,7 +80,8 @@ def finish(occ: Occurrence, finished_ms: int, now_ms: int) -> tuple[Completion, 
     if occ.is_trigger:
         return Completion(occ.member, occ.token, None, ""), None
     fires = occ.fires + 1
-    return _rotate(occ, next_nominal_after(occ, fires, finished_ms, now_ms), fires, occ.nominal_ms)
+    following, catch_up = next_nominal_after(occ, fires, finished_ms, now_ms)
+    return _rotate(occ, following, fires, occ.nominal_ms, catch_up)
 
 
 def row_of(
@@ -103,8 +115,11 @@ def settle(
     finished_ms: int,
     now_ms: int,
     rng: random.Random,
+    *,
+    final: bool = False,
 ) -> Settlement:
-    if not outcome.ok and backoff.attempts_left(occ.plan.retry, occ.attempt):
+    """``final``: no attempt follows, whatever the retry policy says (a poison message)."""
+    if not outcome.ok and not final and backoff.attempts_left(occ.plan.retry, occ.attempt):
         delay = backoff.delay_ms(occ.plan.retry, occ.attempt, rng)
         return Settlement(
             None,
@@ -126,15 +141,35 @@ def settle(
 
 def missed_choice(occ: Occurrence, now_ms: int) -> int | None:
     """For a regular first attempt: the nominal time the misfire policy wants fired instead
-    of ``occ`` (None: none at all), or ``occ.nominal_ms`` itself when it should fire."""
-    if occ.is_trigger or occ.attempt > 1:
+    of ``occ`` (None: none at all), or ``occ.nominal_ms`` itself when it should fire.
+
+    ``now_ms`` is the Redis clock. A trigger, a retry and a catch-up the policy already chose
+    are delivered, never judged again.
+    """
+    if occ.is_trigger or occ.attempt > 1 or occ.catch_up:
         return occ.nominal_ms
-    return schedule.resolve_due(occ.plan, occ.nominal_ms, now_ms)
+    return schedule.resolve_due(occ.plan, occ.nominal_ms, now_ms, occ.member)
 
 
 def skip(occ: Occurrence, key: str, chosen: int | None, now_ms: int) -> Settlement:
-    """Complete a missed occurrence without delivering it; the rotation moves to ``chosen``."""
-    completion, checkpoint = _rotate(occ, chosen, occ.fires, occ.nominal_ms)
+    """Complete a missed occurrence without delivering it; the rotation moves to ``chosen``,
+    which the policy chose and which is therefore delivered when it comes."""
+    completion, checkpoint = _rotate(occ, chosen, occ.fires, occ.nominal_ms, catch_up=True)
     return Settlement(
         completion, None, row_of(occ, key, "skipped", None, now_ms, now_ms), checkpoint, "skipped"
+    )
+
+
+def poisoned(occ: Occurrence, key: str, reason: str, now_ms: int) -> Settlement:
+    """An occurrence whose delivery message kept crashing (or failing) its executors until
+    the broker dead-lettered it: it ends ``dead`` with the reason, and its rotation goes on."""
+    return settle(
+        occ,
+        key,
+        Outcome(False, None, reason[:500]),
+        now_ms,
+        now_ms,
+        now_ms,
+        random.Random(0),
+        final=True,
     )

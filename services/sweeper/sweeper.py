@@ -15,21 +15,29 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from redis.asyncio.lock import Lock
 
+from services.sweeper import pending
 from shared import compact, db, keys, metrics, rotation, transient
 from shared.config import SweeperSettings
 from shared.index import Index, Upsert
 from shared.plan import same_rotation
-from shared.store import LiveSchedule, Store
+from shared.store import Checkpoint, LiveSchedule, Store
 
 log = logging.getLogger(__name__)
 
-#: Drift repair looks this far behind the previous check (clock skew, slow commits).
-DRIFT_OVERLAP_MS = 120_000
+#: Drift repair looks this far behind the previous check, on PostgreSQL's clock: a row is
+#: stamped when its transaction starts, and may commit a little later.
+DRIFT_OVERLAP_MS = 10_000
 #: Members read from Redis per round trip during a full drift scan.
 SCAN_BATCH = 1000
+#: Tombstones are kept at least this long: past any rebuild or repair that read PostgreSQL
+#: before the delete or the finish they record.
+TOMBSTONE_KEEP_MS = 600_000
+#: How often tombstones are looked at (ms).
+TOMBSTONE_CHECK_MS = 60_000
 
 
 def _group(entries: Iterable[tuple[int, Upsert]]) -> dict[int, list[Upsert]]:
@@ -37,6 +45,14 @@ def _group(entries: Iterable[tuple[int, Upsert]]) -> dict[int, list[Upsert]]:
     for shard, entry in entries:
         grouped[shard].append(entry)
     return grouped
+
+
+def _finished_checkpoint(row: LiveSchedule) -> Checkpoint:
+    """The checkpoint a schedule finished in Redis should have written to PostgreSQL."""
+    last = row.next_fire_ms if row.next_fire_ms is not None else row.last_fire_ms
+    return Checkpoint(
+        row.namespace, row.id, last or 0, None, row.fires + 1, finished=True, version=row.version
+    )
 
 
 def _entry_of(row: LiveSchedule, now_ms: int) -> Upsert | None:
@@ -69,8 +85,11 @@ class Sweeper:
         self.identity = uuid.uuid4().hex
         self.rebuilding: asyncio.Task[None] | None = None
         self._last_drift_ms = 0
-        self._last_full_drift = 0.0
+        self._drift_since_ms: int | None = None
+        self._last_full_drift: float | None = None
         self._last_retention = 0.0
+        self._last_tombstones_ms = 0
+        self.pending_repair = pending.PendingRepair(index, store)
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -101,6 +120,7 @@ class Sweeper:
             await self.reclaim()
             await self.check_epoch()
             await self.repair_drift()
+            await self.trim_tombstones()
             await self.keep_retention()
         finally:
             with contextlib.suppress(Exception):
@@ -127,11 +147,33 @@ class Sweeper:
     # --- rebuild ------------------------------------------------------------------------------
 
     async def check_epoch(self) -> None:
+        """Rebuild a lost index, or one restored from an older snapshot; else move the index
+        generation forward (in Redis first, then PostgreSQL), so that a snapshot taken now is
+        recognised as old once it is restored later."""
         epoch = await self.index.client.get(self.index.keys.epoch)
         metrics.INDEX_EPOCH_PRESENT.set(1 if epoch else 0)
-        if epoch or (self.rebuilding is not None and not self.rebuilding.done()):
+        if self.rebuilding is not None and not self.rebuilding.done():
             return
-        self.rebuilding = asyncio.create_task(self.rebuild_with_lock(), name="rebuild")
+        if not epoch:
+            self.rebuilding = asyncio.create_task(self.rebuild_with_lock(), name="rebuild")
+            return
+        generation = int(epoch)
+        expected = await self.store.index_generation()
+        if generation < expected:
+            log.error(
+                "index is older than PostgreSQL says (restored from an old snapshot?): "
+                "dropping it and rebuilding",
+                extra={"action": "stale_index", "generation": generation, "expected": expected},
+            )
+            metrics.STALE_INDEX.inc()
+            await self.index.client.delete(self.index.keys.epoch)
+            await self.index.wipe()
+            metrics.INDEX_EPOCH_PRESENT.set(0)
+            self.rebuilding = asyncio.create_task(self.rebuild_with_lock(), name="rebuild")
+            return
+        following = generation + 1
+        if await self.index.client.set(self.index.keys.epoch, following, xx=True):
+            await self.store.advance_index_generation(following)
 
     async def rebuild_with_lock(self) -> None:
         lock = Lock(self.index.client, self.index.keys.rebuild_lock, timeout=60, blocking=False)
@@ -175,7 +217,10 @@ class Sweeper:
                         "rebuild progress",
                         extra={"action": "rebuild_progress", "schedules": written},
                     )
-            await self.index.client.set(self.index.keys.epoch, str(self.now_ms()))
+            await pending.restore_all(self.index, self.store, self.settings.rebuild_batch)
+            generation = await self.store.index_generation() + 1
+            await self.index.client.set(self.index.keys.epoch, generation)
+            await self.store.advance_index_generation(generation)
         finally:
             metrics.REBUILD_RUNNING.set(0)
             metrics.REBUILD_PROGRESS.set(0)
@@ -212,13 +257,19 @@ class Sweeper:
         now = self.now_ms()
         if now - self._last_drift_ms < self.settings.drift_check_interval_s * 1000:
             return
-        since = (self._last_drift_ms or now) - DRIFT_OVERLAP_MS
         self._last_drift_ms = now
         if self.rebuilding is not None and not self.rebuilding.done():
             return
+        # Incremental: only rows stamped since the previous check began (each row is looked
+        # at about once, so a herd's own rows are never re-read check after check).
+        database_now = await self.store.clock_ms()
+        since = (self._drift_since_ms or database_now) - DRIFT_OVERLAP_MS
+        self._drift_since_ms = database_now
         async for chunk in self.store.changed_schedules(since, self.settings.rebuild_batch):
             await self.reconcile(chunk)
-        if time.monotonic() - self._last_full_drift >= self.settings.drift_full_interval_s:
+        await self.pending_repair.check(now)
+        last_full = self._last_full_drift
+        if last_full is None or time.monotonic() - last_full >= self.settings.drift_full_interval_s:
             self._last_full_drift = time.monotonic()
             await self.full_drift_scan()
 
@@ -253,17 +304,35 @@ class Sweeper:
                 # The stored copy fires at other times: its rotation is replaced.
                 entry = dataclasses.replace(entry, mode="reset")
             repairs.append((shard, entry))
-            metrics.DRIFT_REPAIRED.labels("missing" if old is None else "stale").inc()
-        if repairs:
-            await self.index.upsert(_group(repairs))
+        repaired = await self._write_repairs(repairs, stored)
         if removals:
             await self.index.remove(dict(removals))
-        repaired = len(repairs) + sum(len(v) for v in removals.values())
+            repaired += sum(len(v) for v in removals.values())
         if repaired:
             log.warning(
                 "index drift repaired", extra={"action": "drift_repaired", "entries": repaired}
             )
         return repaired
+
+    async def _write_repairs(
+        self, repairs: Sequence[tuple[int, Upsert]], stored: dict[str, bytes]
+    ) -> int:
+        """Write the repairs; the script re-checks each against what the index holds at that
+        moment (a newer version, or a tombstone of a finished or deleted schedule wins), so a
+        repair decided from an earlier read never touches an occurrence in flight or done."""
+        if not repairs:
+            return 0
+        codes = await self.index.upsert(_group(repairs))
+        written = 0
+        cursors = dict.fromkeys(codes, 0)
+        for shard, entry in repairs:
+            code = codes[shard][cursors[shard]]
+            cursors[shard] += 1
+            if code == 1:
+                written += 1
+                kind = "missing" if entry.member not in stored else "stale"
+                metrics.DRIFT_REPAIRED.labels(kind).inc()
+        return written
 
     async def _stored_plans(self, members: Sequence[tuple[str, str]]) -> dict[str, bytes]:
         """The compact schedules the index holds for these members (absent ones left out)."""
@@ -305,6 +374,56 @@ class Sweeper:
                     removed += len(orphans)
             if cursor == 0:
                 return removed
+
+    # --- tombstones ---------------------------------------------------------------------------
+
+    async def trim_tombstones(self) -> int:
+        """Drop old tombstones once PostgreSQL agrees the schedule is deleted or finished.
+
+        A finished schedule whose checkpoint never reached PostgreSQL (its executor died
+        between finishing it in Redis and writing the audit) is marked finished there now.
+        """
+        now = self.now_ms()
+        if now - self._last_tombstones_ms < TOMBSTONE_CHECK_MS:
+            return 0
+        self._last_tombstones_ms = now
+        trimmed = 0
+        for shard in range(self.settings.shards):
+            cursor = 0
+            while True:
+                cursor, batch = await self.index.client.hscan(
+                    self.index.keys.gone(shard), cursor, count=SCAN_BATCH
+                )
+                trimmed += await self._trim(shard, batch, now)
+                if cursor == 0:
+                    break
+        if trimmed:
+            metrics.TOMBSTONES_TRIMMED.inc(trimmed)
+        return trimmed
+
+    async def _trim(self, shard: int, batch: Any, now: int) -> int:
+        old: dict[str, tuple[int, bytes]] = {}
+        for raw_member, value in batch.items():
+            buried, _, at = value.decode().partition("|")
+            if now - int(at or 0) >= TOMBSTONE_KEEP_MS:
+                old[raw_member.decode()] = (int(buried), value)
+        if not old:
+            return 0
+        rows = {
+            keys.member(r.namespace, r.id): r
+            for r in await self.store.schedule_versions([keys.split_member(m)[:2] for m in old])
+        }
+        settled: list[tuple[str, bytes]] = []
+        finished: list[Checkpoint] = []
+        for member, (version, value) in old.items():
+            row = rows.get(member)
+            if row is not None and row.state == "active" and row.version == version:
+                finished.append(_finished_checkpoint(row))
+            elif row is None or row.state != "active" or row.version > version:
+                settled.append((member, value))
+        if finished:
+            await self.store.write_checkpoints(finished)
+        return await self.index.forget(shard, settled) if settled else 0
 
     # --- retention ----------------------------------------------------------------------------
 

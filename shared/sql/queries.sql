@@ -55,9 +55,10 @@ ORDER BY seq DESC
 LIMIT 1;
 
 -- execution_exists --
--- Whether an occurrence left an execution row.
+-- Whether an occurrence (regular, or a trigger) left an execution row.
 SELECT EXISTS (SELECT 1 FROM executions
-               WHERE namespace = $1 AND id = $2 AND nominal_at = to_timestamp($3 / 1000.0));
+               WHERE namespace = $1 AND id = $2 AND nominal_at = to_timestamp($3 / 1000.0)
+                 AND is_trigger = $4);
 
 -- write_executions --
 -- A batch of execution rows; a later attempt of the same occurrence replaces an earlier one.
@@ -71,7 +72,7 @@ FROM unnest($1::text[], $2::text[], $3::bigint[], $4::boolean[], $5::int[], $6::
             $7::int[], $8::text[], $9::text[], $10::bigint[], $11::bigint[])
      AS r(namespace, id, nominal_ms, is_trigger, attempts, status, http_status, error,
           idempotency_key, started_ms, finished_ms)
-ON CONFLICT (namespace, id, nominal_at) DO UPDATE
+ON CONFLICT (namespace, id, nominal_at, is_trigger) DO UPDATE
 SET attempts = EXCLUDED.attempts, status = EXCLUDED.status,
     http_status = EXCLUDED.http_status, error = EXCLUDED.error,
     started_at = EXCLUDED.started_at, finished_at = EXCLUDED.finished_at,
@@ -79,16 +80,20 @@ SET attempts = EXCLUDED.attempts, status = EXCLUDED.status,
 WHERE e.attempts <= EXCLUDED.attempts;
 
 -- write_checkpoints --
--- A batch of rotation checkpoints: the latest completed nominal fire wins.
+-- A batch of rotation checkpoints: the latest completed nominal fire of the current rotation
+-- wins.
 UPDATE schedules AS s
 SET last_fire_at = to_timestamp(c.last_ms / 1000.0),
     next_fire_at = CASE WHEN c.next_ms IS NULL THEN NULL
                         ELSE to_timestamp(c.next_ms / 1000.0) END,
     fires = GREATEST(s.fires, c.fires),
     state = CASE WHEN c.finished AND s.state = 'active' THEN 'completed' ELSE s.state END
-FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::boolean[])
-     AS c(namespace, id, last_ms, next_ms, fires, finished)
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::boolean[],
+            $7::bigint[])
+     AS c(namespace, id, last_ms, next_ms, fires, finished, version)
 WHERE s.namespace = c.namespace AND s.id = c.id
+  -- An occurrence of an older rotation (the schedule was reset since) checkpoints nothing.
+  AND c.version >= s.rotation_version
   AND (s.last_fire_at IS NULL OR s.last_fire_at <= to_timestamp(c.last_ms / 1000.0));
 
 -- recent_executions --
@@ -154,3 +159,58 @@ SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.de
     fires = EXCLUDED.fires, last_fire_at = EXCLUDED.last_fire_at,
     next_fire_at = EXCLUDED.next_fire_at, updated_at = now(),
     created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END;
+
+-- index_generation --
+-- The generation the Redis index must be at (or ahead of).
+SELECT generation FROM index_generation;
+
+-- advance_index_generation --
+-- Record the generation Redis was moved to (never backwards).
+UPDATE index_generation SET generation = GREATEST(generation, $1::bigint);
+
+-- clock_ms --
+-- PostgreSQL's clock (ms): drift repair's windows are measured on the clock that stamps rows.
+SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
+
+-- add_pending_run --
+-- An occurrence outside the rotation, kept until its run completes (with the command's audit);
+-- no row back when that occurrence is pending already.
+INSERT INTO pending_runs (namespace, id, kind, nominal_ms)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT DO NOTHING
+RETURNING nominal_ms;
+
+-- drop_pending_runs --
+-- Every pending run of a schedule (it is deleted); returns what was dropped.
+DELETE FROM pending_runs WHERE namespace = $1 AND id = $2
+RETURNING namespace, id, kind, nominal_ms;
+
+-- finish_pending_runs --
+-- Runs that completed (succeeded or dead) are no longer pending (with their execution rows).
+DELETE FROM pending_runs AS p
+USING unnest($1::text[], $2::text[], $3::text[], $4::bigint[]) AS f(namespace, id, kind, nominal_ms)
+WHERE p.namespace = f.namespace AND p.id = f.id AND p.kind = f.kind
+  AND p.nominal_ms = f.nominal_ms;
+
+-- pending_run_exists --
+-- Whether a run is still pending.
+SELECT EXISTS (SELECT 1 FROM pending_runs
+               WHERE namespace = $1 AND id = $2 AND kind = $3 AND nominal_ms = $4);
+
+-- live_pending_runs --
+-- Every pending run of a schedule that is not deleted, with what the index needs of it
+-- (the rebuild's stream, after the schedules).
+SELECT p.namespace, p.id, p.kind, p.nominal_ms, s.version, s.state, s.compact
+FROM pending_runs p
+JOIN schedules s ON s.namespace = p.namespace AND s.id = p.id
+WHERE s.state <> 'deleted'
+ORDER BY p.nominal_ms;
+
+-- old_pending_runs --
+-- Pending runs accepted before an instant, oldest first (drift repair checks the index has them).
+SELECT p.namespace, p.id, p.kind, p.nominal_ms, s.version, s.state, s.compact
+FROM pending_runs p
+JOIN schedules s ON s.namespace = p.namespace AND s.id = p.id
+WHERE s.state <> 'deleted' AND p.created_at < to_timestamp($1::bigint / 1000.0)
+ORDER BY p.created_at
+LIMIT $2;

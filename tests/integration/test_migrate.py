@@ -58,7 +58,7 @@ async def test_migrate_creates_the_database_and_a_second_run_changes_nothing(
 ) -> None:
     first = run_cli("migrate", env={"CRONBUS_DATABASE_URL": fresh_url})
     assert first.returncode == 0, first.stderr
-    assert "0001_initial" in first.stdout
+    assert "0001_initial" in first.stdout and "0002_pending_runs" in first.stdout
     before = await catalog(fresh_url)
     tables = {row[0] for row in before}
     assert {
@@ -66,6 +66,7 @@ async def test_migrate_creates_the_database_and_a_second_run_changes_nothing(
         "executions",
         "executions_default",
         "commands",
+        "pending_runs",
         "schema_migrations",
     } <= tables
     today = dt.datetime.now(dt.UTC).date()
@@ -89,6 +90,14 @@ async def test_executions_are_partitioned_by_day_and_unique_per_occurrence(
         await conn.execute(insert, now)
         with pytest.raises(asyncpg.UniqueViolationError):
             await conn.execute(insert, now)
+        # A trigger at that very instant is another occurrence, with a row of its own.
+        await conn.execute(
+            """INSERT INTO executions (namespace, id, nominal_at, is_trigger, attempts, status,
+                   idempotency_key, started_at, finished_at, lateness_ms)
+               VALUES ('ns', 'a', $1, true, 1, 'succeeded', 'k2', now(), now(), 0)""",
+            now,
+        )
+        assert await conn.fetchval("SELECT count(*) FROM executions WHERE id = 'a'") == 2
         where = await conn.fetchval(
             "SELECT tableoid::regclass::text FROM executions WHERE id = 'a'"
         )
@@ -108,6 +117,6 @@ async def test_executions_are_partitioned_by_day_and_unique_per_occurrence(
         dropped = await db.drop_partitions_before(conn, old.date() + dt.timedelta(days=1))
         assert dropped == [db.partition_name(old.date())]
         assert await conn.fetchval("SELECT count(*) FROM executions WHERE id = 'old'") == 0
-        assert await conn.fetchval("SELECT count(*) FROM executions WHERE id = 'a'") == 1
+        assert await conn.fetchval("SELECT count(*) FROM executions WHERE id = 'a'") == 2
     finally:
         await conn.close()

@@ -123,10 +123,10 @@ async def test_begin_holds_current_leases_and_reports_stale_tokens(index: Index)
     await add(index, 0, "ns/a", NOW - 1)
     [result] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
     token = result.claimed[0].token
-    codes = await index.begin(
+    now, codes = await index.begin(
         {0: [("ns/a", token, 90_000), ("ns/a", token + 99, 90_000)]}, now_ms=NOW + 5
     )
-    assert codes == {0: [1, 0]}
+    assert (now, codes) == (NOW + 5, {0: [1, 0]})
     assert await index.client.zscore(index.keys.lease(0), "ns/a") == NOW + 5 + 90_000
     # A shorter hold never shortens the lease.
     await index.begin({0: [("ns/a", token, 10)]}, now_ms=NOW + 6)
@@ -198,7 +198,7 @@ async def test_reclaim_returns_expired_leases_with_a_new_token(index: Index) -> 
     state = await snapshot(index, 1)
     assert state["due"] == [(b"ns/expired", float(NOW + LEASE_MS + 1))]
     # The message that carried the reclaimed occurrence is stale now.
-    assert await index.begin({1: [("ns/expired", tokens["ns/expired"], 1000)]}) == {1: [0]}
+    assert (await index.begin({1: [("ns/expired", tokens["ns/expired"], 1000)]}))[1] == {1: [0]}
     [again] = await index.claim([1], limit=10, lease_ms=LEASE_MS, now_ms=NOW + LEASE_MS + 2)
     assert [(c.member, c.attempt) for c in again.claimed] == [("ns/expired", 1)]
     assert again.claimed[0].token not in tokens.values()
@@ -247,6 +247,12 @@ async def test_a_stale_upsert_or_remove_changes_nothing(index: Index) -> None:
     assert await index.remove({0: [("ns/v", 5)]}) == {0: [1]}
     assert await index.remove({0: [("ns/v", None)]}) == {0: [0]}
     assert await snapshot(index, 0) == {"due": [], "lease": [], "occ": {}, "sched": {}}
+    # The removal left a tombstone of version 5: a write of version 5 (a rebuild that read
+    # the schedule before its delete) cannot bring it back; version 6 can.
+    assert await add(index, 0, "ns/v", NOW + 1, version=5, mode="keep") == -1
+    assert await index.client.zscore(index.keys.due(0), "ns/v") is None
+    assert await add(index, 0, "ns/v", NOW + 1, version=6, mode="keep") == 1
+    assert await index.client.hget(index.keys.gone(0), "ns/v") is None
 
 
 async def test_noscript_after_a_script_flush_is_recovered(index: Index) -> None:
@@ -303,3 +309,59 @@ async def test_release_hands_back_an_unpublished_claim(index: Index) -> None:
     assert state["due"] == [(b"ns/p", float(NOW + 3))] and state["lease"] == []
     [again] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW + 3)
     assert [(c.attempt, c.nominal_ms) for c in again.claimed] == [(1, NOW - 1)]
+
+
+async def test_claim_checks_what_it_reads_before_writing(index: Index) -> None:
+    await add(index, 0, "ns/broken", NOW - 5, next_occ="garbage")
+    await add(index, 0, "ns/fine", NOW - 4)
+    [result] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
+    assert [c.member for c in result.claimed] == ["ns/fine"]
+    assert result.corrupt == 1
+    # Not lost: still due, a minute on, so it does not block the head of the shard.
+    assert await index.client.zscore(index.keys.due(0), "ns/broken") == NOW + 60_000
+    assert await index.client.hget(index.keys.occ(0), "ns/broken") == b"garbage"
+
+
+async def test_tokens_never_repeat_after_redis_loses_its_counter(index: Index) -> None:
+    await add(index, 0, "ns/t", NOW - 1)
+    [first] = await index.claim([0], limit=1, lease_ms=LEASE_MS, now_ms=NOW)
+    old = first.claimed[0].token
+    assert old > NOW * 1000  # at least the clock in microseconds
+    # Redis lost its data (the counter included): the index is written again.
+    await index.client.delete(
+        index.keys.seq(0), index.keys.occ(0), index.keys.lease(0), index.keys.due(0)
+    )
+    await add(index, 0, "ns/t", NOW)
+    [again] = await index.claim([0], limit=1, lease_ms=LEASE_MS, now_ms=NOW + 1)
+    assert again.claimed[0].token > old
+    # The message minted before the loss does not pass the fence.
+    _, codes = await index.begin({0: [("ns/t", old, 1000)]}, now_ms=NOW + 2)
+    assert codes == {0: [0]}
+
+
+async def test_a_finished_schedule_leaves_a_tombstone_no_repair_can_undo(index: Index) -> None:
+    await add(index, 0, "ns/once", NOW - 1, version=3)
+    [result] = await index.claim([0], limit=1, lease_ms=LEASE_MS, now_ms=NOW)
+    token = result.claimed[0].token
+    done = await index.complete({0: [Completion("ns/once", token, None, "", finish=True)]}, NOW)
+    assert done == {0: [1]}
+    assert await index.client.hget(index.keys.gone(0), "ns/once") == f"3|{NOW}".encode()
+    # A drift repair or rebuild that read PostgreSQL before the checkpoint landed there.
+    assert await add(index, 0, "ns/once", NOW - 1, version=3, mode="keep") == -1
+    assert await snapshot(index, 0) == {"due": [], "lease": [], "occ": {}, "sched": {}}
+    # A new version (the user changed the schedule) is not a repair: it is written.
+    assert await add(index, 0, "ns/once", NOW + 10, version=4, mode="reset") == 1
+
+
+async def test_the_catch_up_flag_survives_retry_reclaim_and_claim(index: Index) -> None:
+    state = occ_state(NOW - 500, 1, "", 2, "c")
+    await add(index, 0, "ns/late", NOW - 400, next_occ=state)
+    [result] = await index.claim([0], limit=1, lease_ms=LEASE_MS, now_ms=NOW)
+    [item] = result.claimed
+    assert (item.nominal_ms, item.fires, item.catch_up) == (NOW - 500, 2, True)
+    await index.retry({0: [("ns/late", item.token, 0)]}, now_ms=NOW)
+    [retried] = (await index.claim([0], limit=1, lease_ms=1, now_ms=NOW + 1))[0].claimed
+    assert retried.catch_up and retried.attempt == 2
+    assert await index.reclaim([0], limit=10, now_ms=NOW + 10) == {0: (1, 0)}
+    [reclaimed] = (await index.claim([0], limit=1, lease_ms=1, now_ms=NOW + 11))[0].claimed
+    assert reclaimed.catch_up and reclaimed.fires == 2

@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import keys, sql, timefmt
+from shared import compact, delivery, keys, schedule, sql, timefmt
+from shared.index import Claimed
+from shared.plan import IntervalRule, Plan, WebhookPlan
 
 
 def test_shard_keys_share_one_hash_tag() -> None:
@@ -85,3 +87,16 @@ def test_query_file_parses_into_named_blocks() -> None:
         sql.parse_queries("-- a --\nSELECT 1;\n-- a --\nSELECT 2;\n")
     assert {"get_schedule", "write_executions", "live_schedules"} <= set(sql.QUERIES)
     assert next(number for number, _, _ in sql.migrations()) == 1
+
+
+def test_a_delivered_trigger_carries_the_trigger_key() -> None:
+    plan = compact.encode(Plan(version=1, rule=IntervalRule(1000), target=WebhookPlan("http://x")))
+    at = 1_800_000_000_000
+    claims = [
+        Claimed(0, keys.member("ns", "x"), at, at, 1, 7, 0, plan),
+        Claimed(0, keys.trigger_member("ns", "x", at), at, at, 1, 8, 0, plan),
+    ]
+    regular, triggered = delivery.decode(delivery.encode(claims))
+    assert regular.idempotency_key == schedule.idempotency_key("ns", "x", at)
+    assert triggered.is_trigger and triggered.idempotency_key == schedule.trigger_key("ns", "x", at)
+    assert triggered.idempotency_key != regular.idempotency_key

@@ -237,3 +237,82 @@ def test_idempotency_key_is_the_rfc4122_uuid5_of_the_identity(
 ) -> None:
     expected = uuid.uuid5(schedule.IDEMPOTENCY_NAMESPACE, f"{namespace}/{schedule_id}@{nominal}")
     assert schedule.idempotency_key(namespace, schedule_id, nominal) == str(expected)
+
+
+def test_jitter_is_not_lateness() -> None:
+    # Every 4 s with jitter 3 s and skip: an occurrence whose offset is past the grace is
+    # on time until its due time (nominal + offset) plus the grace.
+    plan = make(IntervalRule(4000), jitter_ms=3000, misfire=MisfireRule("skip", grace_ms=1000))
+    member = "ns/jittered"
+    nominal = next(
+        n for n in range(4000, 400_000, 4000) if schedule.jitter_offset_ms(plan, member, n) > 1500
+    )
+    due = schedule.fire_at_ms(plan, member, nominal)
+    assert schedule.resolve_due(plan, nominal, due + 900, member) == nominal
+    assert not schedule.is_missed(plan, member, nominal, due + 1000)
+    assert schedule.is_missed(plan, member, nominal, due + 1001)
+    assert schedule.resolve_due(plan, nominal, due + 1001, member) != nominal
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from([IntervalRule(1000), IntervalRule(4000), CronRule("*/5 * * * * *")]),
+    st.sampled_from(["skip", "fire_once", "fire_all"]),
+    st.integers(min_value=0, max_value=20_000),
+    st.integers(min_value=0, max_value=3000),
+    st.text(min_size=1, max_size=20),
+    instants,
+    st.integers(min_value=0, max_value=3_600_000),
+)
+def test_with_jitter_nothing_on_time_is_skipped_and_what_fires_was_due(
+    rule: object, policy: str, jitter: int, grace: int, member: str, last: int, outage: int
+) -> None:
+    plan = make(
+        rule,
+        jitter_ms=jitter,
+        misfire=MisfireRule(policy, grace, 3_600_000, 10),  # type: ignore[arg-type]
+    )
+    candidate = schedule.next_nominal(plan, last)
+    assert candidate is not None
+    now = candidate + outage
+    chosen = schedule.resolve_due(plan, candidate, now, member)
+    assert chosen is not None and chosen >= candidate
+    assert schedule.next_nominal(plan, chosen - 1) == chosen
+    # Every nominal time before the chosen one was missed (its due time past the grace).
+    current: int | None = candidate
+    while current is not None and current < chosen:
+        assert schedule.is_missed(plan, member, current, now)
+        current = schedule.next_nominal(plan, current)
+    if policy == "skip":
+        assert not schedule.is_missed(plan, member, chosen, now)
+
+
+def test_a_trigger_at_the_instant_of_a_regular_occurrence_has_another_key() -> None:
+    whole_second = T("2027-01-04T08:00:00Z")
+    regular = schedule.idempotency_key("billing", "invoice-42", whole_second)
+    triggered = schedule.trigger_key("billing", "invoice-42", whole_second)
+    assert triggered != regular
+    # Regular keys are those of earlier versions, byte for byte (targets deduplicate on them).
+    assert regular == str(
+        uuid.uuid5(schedule.IDEMPOTENCY_NAMESPACE, f"billing/invoice-42@{whole_second}")
+    )
+    assert schedule.occurrence_key("billing", "invoice-42", whole_second, trigger=False) == regular
+    assert schedule.occurrence_key("billing", "invoice-42", whole_second, trigger=True) == triggered
+
+
+ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,20}", fullmatch=True)
+namespaces = st.from_regex(r"[a-z0-9][a-z0-9_-]{0,10}", fullmatch=True)
+
+
+@given(namespaces, ids, st.integers(0, 2**53), namespaces, ids, st.integers(0, 2**53))
+def test_a_trigger_key_never_equals_a_regular_key(
+    namespace: str, schedule_id: str, at: int, other_ns: str, other_id: str, other_at: int
+) -> None:
+    triggered = schedule.trigger_key(namespace, schedule_id, at)
+    assert triggered == schedule.trigger_key(namespace, schedule_id, at)
+    assert triggered == str(
+        uuid.uuid5(schedule.IDEMPOTENCY_NAMESPACE, f"{namespace}/{schedule_id}@{at}#trigger")
+    )
+    # Whatever the identities, a trigger's key is not a regular occurrence's key.
+    assert triggered != schedule.idempotency_key(namespace, schedule_id, at)
+    assert triggered != schedule.idempotency_key(other_ns, other_id, other_at)

@@ -1,0 +1,149 @@
+"""The executor's decisions against the real Redis, PostgreSQL and RabbitMQ: misfires judged
+on the Redis clock, and poison delivery messages settled as dead."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import aio_pika
+import asyncpg
+import pytest
+from aio_pika.abc import AbstractRobustConnection
+
+from cronbus.sink import Sink
+from services.executor.audit import AuditWriter
+from services.executor.events import Events
+from services.executor.executor import Executor
+from services.executor.targets import AmqpTargets, Webhooks
+from shared import amqp, bulk, codec, delivery, keys, schedule, validation
+from shared.config import ExecutorSettings
+from shared.index import Index
+from shared.store import Store
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[Store]:
+    found = await Store.open(database_url)
+    yield found
+    await found.close()
+
+
+@pytest.fixture
+async def connection(amqp_url: str) -> AsyncIterator[AbstractRobustConnection]:
+    found = await aio_pika.connect_robust(amqp_url)
+    channel = await found.channel()
+    await amqp.declare_topology(channel)
+    yield found
+    await found.close()
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[Sink]:
+    found = Sink()
+    await found.start()
+    yield found
+    await found.stop()
+
+
+async def executor_with_clock(
+    index: Index,
+    store: Store,
+    connection: AbstractRobustConnection,
+    redis_prefix: str,
+    skew_s: float,
+) -> tuple[Executor, Webhooks, AuditWriter]:
+    settings = ExecutorSettings(redis_prefix=redis_prefix, shards=index.shards)
+    webhooks = Webhooks(4)
+    audit = AuditWriter(store, 10, 10_000)
+    executor = Executor(
+        settings,
+        index,
+        webhooks,
+        AmqpTargets(connection),
+        audit,
+        Events(connection, "none"),
+        asyncio.Event(),
+        clock=lambda: time.time() + skew_s,
+    )
+    return executor, webhooks, audit
+
+
+async def claim_one(index: Index, store: Store, sink: Sink, **schedule_fields: object) -> bytes:
+    item = {
+        "id": "s",
+        "spec": {"kind": "interval", "every_s": 2},
+        "target": {"kind": "webhook", "url": f"{sink.url}/s"},
+        **schedule_fields,
+    }
+    result = await bulk.import_lines(
+        [codec.dumps(item)], "ex", store, index, validation.TargetPolicy(), workers=1
+    )
+    assert not result.refused
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        claimed = [c for r in await index.claim(range(index.shards), 10, 30_000) for c in r.claimed]
+        if claimed:
+            return delivery.encode(claimed)
+        await asyncio.sleep(0.05)
+    raise AssertionError("nothing came due")
+
+
+async def test_misfires_are_judged_on_the_redis_clock_not_the_executor_host(
+    index: Index, store: Store, connection: AbstractRobustConnection, sink: Sink, redis_prefix: str
+) -> None:
+    body = await claim_one(index, store, sink, misfire={"policy": "skip"})
+    # This executor's host runs 5 s ahead: by its own clock the occurrence is long missed.
+    executor, webhooks, _ = await executor_with_clock(
+        index, store, connection, redis_prefix, skew_s=5
+    )
+    try:
+        [occ] = delivery.decode(body)
+        live = await executor.hold([occ])
+        await executor.process(live[0])
+        await executor.drain()
+    finally:
+        await webhooks.close()
+    assert [r.key for r in sink.received] == [schedule.idempotency_key("ex", "s", occ.nominal_ms)]
+
+
+async def test_a_poison_delivery_message_ends_its_occurrences_dead_and_the_rotation_goes_on(
+    index: Index,
+    store: Store,
+    connection: AbstractRobustConnection,
+    sink: Sink,
+    redis_prefix: str,
+    database_url: str,
+) -> None:
+    body = await claim_one(index, store, sink)
+    [occ] = delivery.decode(body)
+    executor, webhooks, audit = await executor_with_clock(
+        index, store, connection, redis_prefix, skew_s=0
+    )
+    channel = await connection.channel()
+    dead_exchange = await channel.get_exchange(keys.DEAD_LETTER_EXCHANGE)
+    # What the broker does once the message was redelivered past the queue's delivery limit.
+    await dead_exchange.publish(
+        aio_pika.Message(body, headers={"x-first-death-reason": "delivery_limit"}),
+        routing_key=keys.dead_letter_queue(keys.DELIVERIES_QUEUE),
+    )
+    queue = await amqp.dead_deliveries_queue_of(channel)
+    message = await queue.get(timeout=5)
+    assert message is not None
+    try:
+        await executor.settle_dead_letter(message)
+        await executor.drain()
+        assert await audit.flush()
+    finally:
+        await webhooks.close()
+    assert sink.received == []  # never delivered on
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow("SELECT status, error FROM executions WHERE id = 's'")
+    finally:
+        await conn.close()
+    assert row is not None and row["status"] == "dead"
+    assert "delivery_limit" in row["error"]
+    due, lease, _ = await index.position(occ.shard, occ.member)
+    assert lease is None and due == occ.nominal_ms + 2000  # the next one is placed
