@@ -68,8 +68,9 @@ class Kit:
 
     async def restart(self, name: str, pause_s: float = 0.0) -> None:
         """kill -9 one running process of a service, then start a new one and wait for it."""
-        victim = self.rng.choice(self.stack.running(name))
-        self.stack.kill(victim, signal.SIGKILL)
+        running = self.stack.running(name)
+        if running:
+            self.stack.kill(self.rng.choice(running), signal.SIGKILL)
         await asyncio.sleep(pause_s)
         await self.stack.wait_ready(self.stack.start(name), timeout_s=60)
 
