@@ -23,6 +23,9 @@ In-flight tolerance, precisely: an occurrence whose due time is at or before a c
 may have been claimed before the command was applied, so it (and its retries) may still be
 delivered after that reply; an occurrence due after the reply may not. Nothing else is excused.
 
+``fire_once`` owes one catch-up for each stretch of its times that came due during a fault or
+a backlog: one of them must be delivered (a stretch with none is one *lost* catch-up).
+
 Fixed-delay (``after_completion``) schedules have no nominal grid; their chain is checked
 instead: each occurrence is due no sooner than ``delay`` after its predecessor's last answer
 (sooner is *unexpected*), and a chain that stops while the schedule is active is *lost*.
@@ -334,8 +337,9 @@ def _pause_class(timeline: Timeline, due: int, plan: Plan) -> str | None:
 def classify(
     timeline: Timeline, rotation_index: int, nominal: int, ordinal: int, ctx: Context
 ) -> str:
-    """required, allowed, forbidden or paused (delivered while paused: forbidden; after the
-    resume: a catch-up the policy may make, except under ``skip``)."""
+    """required, allowed, disturbed (allowed: a fault or backlog was under way at its due
+    time), forbidden, or paused (delivered while paused: forbidden; after the resume: a
+    catch-up the policy may make, except under ``skip``)."""
     rotation = timeline.rotations[rotation_index]
     plan = rotation.plan
     due = schedule.fire_at_ms(plan, timeline.member, nominal)
