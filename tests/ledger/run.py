@@ -83,7 +83,7 @@ class Ledger:
     # --- commands --------------------------------------------------------------------------
 
     async def _send(
-        self, client: CommandClient, verb: str, body: dict[str, Any], member: str
+        self, client: CommandClient, verb: str, body: dict[str, Any], member: str, label: str = ""
     ) -> tuple[int, int, dict[str, Any]] | None:
         sent = now_ms()
         try:
@@ -91,7 +91,8 @@ class Ledger:
         except TimeoutError:
             reply = {"ok": False, "error": {"code": "timeout"}}
         replied = now_ms()
-        self.commands[verb] = self.commands.get(verb, 0) + 1
+        label = label or verb
+        self.commands[label] = self.commands.get(label, 0) + 1
         if not reply.get("ok"):
             self.excluded[member] = f"{verb} failed: {reply.get('error')}"
             return None
@@ -109,7 +110,7 @@ class Ledger:
         member = keys.member(mix.NAMESPACE, item.id)
         self.items[member] = item
         self.timelines[member] = oracle.Timeline(mix.NAMESPACE, item.id, [])
-        done = await self._send(client, "upsert", {"schedule": item.body}, member)
+        done = await self._send(client, "upsert", {"schedule": item.body}, member, "create")
         if done is not None:
             sent, replied, _ = done
             self.timelines[member].rotations.append(oracle.Rotation(item.plan, sent, replied))
@@ -146,7 +147,7 @@ class Ledger:
         body: dict[str, Any] = {"id": item.id}
         if verb == "reset":
             new_body = mix.reset_body(item.body, self.rng)
-            done = await self._send(client, "upsert", {"schedule": new_body}, member)
+            done = await self._send(client, "upsert", {"schedule": new_body}, member, "reset")
             if done is not None:
                 self.items[member] = mix.Item(item.id, item.kind, new_body)
                 plan = mix.plan_of_body(new_body)

@@ -124,7 +124,8 @@ async def test_every_policy_keeps_its_promise_under_every_fault(
     ledger = run.Ledger(stack, servers, env, sink, PROFILE)
     verdict = await ledger.run()
     title = (
-        f"ledger mix: seed {PROFILE.seed}, {len(ledger.timelines)} schedules, "
+        f"ledger mix: seed {PROFILE.seed}, {len(ledger.items)} schedules "
+        f"(+{len(ledger.timelines) - len(ledger.items)} one-shots of the overload), "
         f"faults {len(ledger.applied)}, commands {ledger.commands}"
     )
     print("\n" + report.table(title, verdict))
