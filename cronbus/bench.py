@@ -27,15 +27,16 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import asyncpg
 import redis.asyncio as aioredis
 
-from cronbus import procs
+from cronbus import console_bench, procs
 from cronbus.common import CliError
 from cronbus.procs import ServiceProcess
 from cronbus.sink import Received, Sink
-from shared import bulk, codec, db, index, keys, timefmt, validation
+from shared import bulk, codec, db, index, keys, netpolicy, timefmt, validation
 from shared.config import CommonSettings
 from shared.store import Store
 
 NAMESPACE = "bench"
+LOCAL_POLICY = validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK)
 
 
 @dataclass
@@ -181,7 +182,7 @@ async def _import(found: Corner, lines: Iterator[bytes]) -> tuple[int, float]:
     started = time.monotonic()
     try:
         result = await bulk.import_lines(
-            lines, NAMESPACE, store, idx, validation.TargetPolicy(), app_id="cronbus-bench"
+            lines, NAMESPACE, store, idx, LOCAL_POLICY, app_id="cronbus-bench"
         )
     finally:
         await store.close()
@@ -199,6 +200,8 @@ def _service_env(args: argparse.Namespace) -> dict[str, str]:
         "CRONBUS_LOG_LEVEL": "WARNING",
         "CRONBUS_EVENTS": args.events,
         "CRONBUS_MIGRATE_ON_START": "false",
+        # The sink listens on loopback.
+        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
     }
 
 
@@ -483,6 +486,7 @@ def add_parser(sub: Any) -> None:
     rebuild.add_argument("--n", type=int, default=100_000)
     rebuild.add_argument("--timeout-s", type=float, default=600)
     rebuild.set_defaults(handler=run_rebuild)
+    console_bench.add_parser(kinds)
     for kind in (herd, steady, rebuild):
         kind.add_argument("--json", action="store_true", help="one JSON line of figures")
         kind.add_argument(

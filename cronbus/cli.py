@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
-from cronbus import bench, commands, dev, importer, procs
+from cronbus import bench, commands, dev, importer, procs, top
 from cronbus import preview as preview_cmd
 from cronbus.common import CliError
 from shared.config import DispatcherSettings, ExecutorSettings, SweeperSettings
@@ -92,7 +92,13 @@ def _add_operations(sub: Subparsers) -> None:
         "core (metrics ports count up from CRONBUS_METRICS_PORT)",
     )
     p.set_defaults(handler=_run_service)
-    p = sub.add_parser("dev", help="run migrations and all three services locally")
+    p = sub.add_parser(
+        "console",
+        help="serve the web console (same as python -m services.console; "
+        "port CRONBUS_CONSOLE_PORT, actions with CRONBUS_CONSOLE_ACTIONS=1)",
+    )
+    p.set_defaults(handler=_run_console)
+    p = sub.add_parser("dev", help="run migrations, the three services and the console locally")
     p.add_argument(
         "--demo", action="store_true", help="also start a printing sink and register demo schedules"
     )
@@ -100,12 +106,14 @@ def _add_operations(sub: Subparsers) -> None:
         "--port-base",
         type=int,
         default=9101,
-        help="metrics ports: dispatcher, executor, sweeper from here (default 9101)",
+        help="metrics ports: dispatcher, executor, sweeper, console from here (default 9101)",
     )
     p.add_argument("--sink-port", type=int, default=8099, help="demo sink port (default 8099)")
+    p.add_argument("--console-port", type=int, default=8080, help="web console port (default 8080)")
     p.add_argument("--status-every", type=float, default=1.0, help="seconds between status lines")
     p.set_defaults(handler=dev.run)
     bench.add_parser(sub)
+    top.add_parser(sub)
     p = sub.add_parser("sink", help="an HTTP sink that prints every delivery it receives")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8099)
@@ -144,6 +152,12 @@ def _run_service(args: argparse.Namespace) -> int:
         return procs.supervise(args.service, count, settings.metrics_port)
     sys.argv = [f"services.{args.service}"]
     runpy.run_module(f"services.{args.service}", run_name="__main__", alter_sys=True)
+    return 0
+
+
+def _run_console(args: argparse.Namespace) -> int:
+    sys.argv = ["services.console"]
+    runpy.run_module("services.console", run_name="__main__", alter_sys=True)
     return 0
 
 

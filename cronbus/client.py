@@ -84,11 +84,16 @@ class CommandClient:
         *,
         timeout_s: float = 30,
         message_id: str | None = None,
+        app_id: str | None = None,
+        user_id: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """Publish one command and wait for its reply.
 
         Each command gets a fresh ``message_id`` (unless one is given): if the broker delivers
-        it twice, cronbus answers the second time instead of applying it again.
+        it twice, cronbus answers the second time instead of applying it again. ``app_id``
+        overrides the client's; ``user_id``, when given, must be the connection's user
+        (RabbitMQ checks it), so the command audit records who the broker let in.
         """
         waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         correlation_id = uuid.uuid4().hex
@@ -103,7 +108,9 @@ class CommandClient:
                 correlation_id=correlation_id,
                 reply_to=self._replies.name,
                 message_id=message_id or uuid.uuid4().hex,
-                app_id=self.app_id,
+                app_id=app_id or self.app_id,
+                user_id=user_id,
+                headers=dict(headers) if headers else None,
             ),
             routing_key=keys.command_routing_key(namespace, verb),
         )

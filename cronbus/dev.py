@@ -1,4 +1,4 @@
-"""``cronbus dev``: migrations and all three services locally, with a live status line.
+"""``cronbus dev``: migrations, all three services and the console locally, with a status line.
 
 With ``--demo`` it also starts a sink that prints every delivery and registers a few demo
 schedules that fire into it, so a newcomer sees cronbus work within a minute.
@@ -23,7 +23,7 @@ from cronbus.client import CommandClient
 from cronbus.common import CliError
 from cronbus.procs import SERVICES, ServiceProcess
 from cronbus.sink import Received, Sink
-from shared import db, timefmt, transient
+from shared import db, netpolicy, timefmt, transient
 from shared.config import CommonSettings
 
 LOG_DIR = Path(".cronbus-dev")
@@ -191,8 +191,11 @@ async def _dev(args: argparse.Namespace) -> int:
         sink = Sink(respond=_flaky, on_receive=_print_delivery, keep=False)
         await sink.start(port=args.sink_port)
         print(f"demo sink listening on {sink.url}")
-    env = dict(os.environ)
+    # Local sinks listen on loopback: allowed unless the developer chose otherwise.
+    env = {"CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS, **os.environ}
     children = [_start(name, args.port_base + i, env) for i, name in enumerate(SERVICES)]
+    console_env = {**env, "CRONBUS_CONSOLE_PORT": str(args.console_port)}
+    children.append(_start("console", args.port_base + len(SERVICES), console_env))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -200,6 +203,7 @@ async def _dev(args: argparse.Namespace) -> int:
     try:
         await _wait_ready(children, 60)
         print(f"cronbus is running (logs in {LOG_DIR}/); Ctrl-C stops it")
+        print(f"console: http://127.0.0.1:{args.console_port}/", flush=True)
         if sink is not None:
             await _register_demo(settings, sink)
         while not stop.is_set():

@@ -11,7 +11,7 @@
   KEYS[2] lease  ZSET  member -> lease deadline (ms)
   KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires[|flags]"
   KEYS[4] sched  HASH  ns/id  -> compact schedule
-  KEYS[5] gone   HASH  ns/id  -> "version|ms": schedules deleted or finished at that version
+  KEYS[5] gone   HASH  ns/id  -> "version|ms|kind": schedules deleted (d) or finished (f)
   ARGV[1] now_ms (ms, optional: '' reads the server clock; tests only)
   ARGV[2..] quintuples: member, token,
                    next_fire_ms ('' : no next occurrence),
@@ -48,7 +48,7 @@ for i = 2, #ARGV, 5 do
       local plan = redis.call('HGET', sched, base)
       local version = plan and string.match(plan, '^{"v":(%d+)')
       if version then
-        redis.call('HSET', gone, base, version .. '|' .. now)
+        redis.call('HSET', gone, base, version .. '|' .. now .. '|f')
       end
       redis.call('HDEL', sched, base)
     end

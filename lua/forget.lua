@@ -2,7 +2,7 @@
   forget: drop tombstones the sweeper found settled in PostgreSQL, each only if it still holds
   the value the sweeper read (a newer delete or finish since then keeps its tombstone).
 
-  KEYS[1] gone  HASH ns/id -> "version|ms" tombstone
+  KEYS[1] gone  HASH ns/id -> "version|ms|kind" tombstone
   ARGV pairs: member, value read
 
   Returns the number of tombstones dropped.

@@ -8,7 +8,7 @@
   KEYS[2] lease  ZSET  member -> lease deadline (ms)
   KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires[|flags]"
   KEYS[4] sched  HASH  ns/id  -> compact schedule
-  KEYS[5] gone   HASH  ns/id  -> "version|ms" tombstone
+  KEYS[5] gone   HASH  ns/id  -> "version|ms|kind" tombstone (kind d: deleted)
   ARGV[1] now_ms (ms, optional: '' reads the server clock; tests only)
   ARGV[2..] pairs: member, version ('' : whatever version is stored)
 
@@ -36,7 +36,7 @@ for i = 2, #ARGV, 2 do
       local previous = redis.call('HGET', gone, member)
       local previous_version = previous and tonumber(string.match(previous, '^(%d+)'))
       if not previous_version or previous_version < buried then
-        redis.call('HSET', gone, member, string.format('%d', buried) .. '|' .. now)
+        redis.call('HSET', gone, member, string.format('%d', buried) .. '|' .. now .. '|d')
       end
     end
     local existed = redis.call('HDEL', sched, member)

@@ -1,24 +1,32 @@
 --[[
   upsert: the intake's (and the rebuild's, and drift repair's) write of schedules into the
-  index. A write older than the stored version changes nothing, so writes that race arrive in
-  version order; so does a write not newer than a tombstone in `gone` (the schedule was
-  deleted, or finished, at that version): deletes win over a rebuild that read the schedule
-  before it was deleted, and a finished occurrence is never put back by a repair.
+  index. Writes arrive in version order: one not newer than the stored version changes nothing
+  (a second write of the same version, say drift repair's and then the intake's own, is
+  already applied), and neither does one not newer than a tombstone in `gone` (the schedule
+  was deleted, or finished, at that version): deletes win over a rebuild that read the
+  schedule before it was deleted, and a finished occurrence is never put back by a repair.
+  A finish tombstone also outlives newer versions that continue the rotation ('keep',
+  'resume', 'park'): a schedule that finished stays finished until a new rotation ('reset').
+  Parking a finished schedule at its own version stores it out of rotation (so a trigger of
+  it can still be claimed).
 
   KEYS[1] due    ZSET  member -> fire time (ms)
   KEYS[2] lease  ZSET  member -> lease deadline (ms)
   KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires[|flags]"
   KEYS[4] sched  HASH  ns/id  -> compact schedule (starts with {"v":<version>)
-  KEYS[5] gone   HASH  ns/id  -> "version|ms" tombstone
+  KEYS[5] gone   HASH  ns/id  -> "version|ms|kind" tombstone (kind f: finished, d: deleted)
   ARGV sextuples: member, version, schedule, mode,
                   next_fire_ms ('' : none), next_occ ('' : default state)
-    mode 'keep'  : store the schedule; keep its rotation if it has one (due or in flight),
-                   else start it at next_fire_ms (a rebuild, or a change that keeps the times)
-    mode 'reset' : store the schedule; revoke any occurrence in flight; start at next_fire_ms
-    mode 'park'  : store the schedule; revoke and take it out of rotation (paused)
+    mode 'keep'   : store the schedule; keep its rotation if it has one (due or in flight),
+                    else start it at next_fire_ms (a rebuild, or a change that keeps the times)
+    mode 'reset'  : a new rotation: store the schedule; revoke any occurrence in flight;
+                    start at next_fire_ms
+    mode 'resume' : the rotation goes on after a pause: as 'reset', unless it finished
+    mode 'park'   : store the schedule; revoke and take it out of rotation (paused)
 
-  Returns one code per sextuple: 1 written, -1 stale (the index holds a newer version, or a
-  tombstone at least as new).
+  Returns one code per sextuple: 1 written, 0 already applied (the same version is stored),
+  2 stored but not started (the rotation had finished), -1 stale (a newer version is stored,
+  or a tombstone at least as new).
 ]]
 local due, lease, occ, sched, gone = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 
@@ -51,23 +59,32 @@ for i = 1, #ARGV, 6 do
   local member, version, plan, mode, next_fire, next_occ =
     ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
   local stored = version_in(sched, member, '^{"v":(%d+)')
-  local buried = version_in(gone, member, '^(%d+)')
-  if (stored and stored > version) or (buried and buried >= version) then
+  local tombstone = redis.call('HGET', gone, member)
+  local buried = tombstone and tonumber(string.match(tombstone, '^(%d+)'))
+  local finished = tombstone and string.match(tombstone, '|f$') ~= nil
+  -- Parking a finished schedule at its own version stores it (a trigger can still run).
+  local parks_finished = finished and mode == 'park' and buried == version
+  if (stored and stored > version) or (buried and buried >= version and not parks_finished) then
     results[#results + 1] = -1
+  elseif stored and stored == version then
+    results[#results + 1] = 0
   else
-    if buried then
+    local stays_finished = finished and mode ~= 'reset'
+    if tombstone and not stays_finished then
       redis.call('HDEL', gone, member)
     end
     redis.call('HSET', sched, member, plan)
     if mode == 'park' then
       revoke(member)
-    elseif mode == 'reset' then
+    elseif stays_finished then
+      revoke(member)
+    elseif mode == 'reset' or mode == 'resume' then
       revoke(member)
       start(member, next_fire, next_occ)
     elseif not in_rotation(member) then
       start(member, next_fire, next_occ)
     end
-    results[#results + 1] = 1
+    results[#results + 1] = (stays_finished and mode ~= 'park') and 2 or 1
   end
 end
 return results

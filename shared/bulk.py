@@ -221,16 +221,17 @@ def _placed(
         placement.fires,
         placement.last_fire_ms,
         placement.next_nominal,
+        placement.rotation_version(version),
     )
     return row, upsert, not live
 
 
 def _fresh_placement(entry: Prepared) -> rotation.Placement:
     if entry.paused:
-        return rotation.Placement("paused", "park", None, 0, None)
+        return rotation.Placement("paused", "park", None, 0, None, new_rotation=True)
     if entry.first_nominal is None:
-        return rotation.Placement("completed", None, None, 0, None)
-    return rotation.Placement("active", "reset", entry.first_nominal, 0, None)
+        return rotation.Placement("completed", None, None, 0, None, new_rotation=True)
+    return rotation.Placement("active", "reset", entry.first_nominal, 0, None, new_rotation=True)
 
 
 async def _write_batch(

@@ -63,6 +63,8 @@ def _encode_target(target: TargetPlan, out: dict[str, Any]) -> None:
             out["M"] = target.method
         if target.success_codes is not None:
             out["S"] = sorted(target.success_codes)
+        if target.secret_headers:
+            out["X"] = dict(target.secret_headers)
     else:
         out["x"] = target.exchange
         if target.routing_key:
@@ -89,6 +91,7 @@ def _decode_target(data: dict[str, Any]) -> TargetPlan:
             body=encoded,
             timeout_ms=timeout_ms,
             success_codes=frozenset(codes) if codes is not None else None,
+            secret_headers=tuple(data["X"].items()) if "X" in data else (),
         )
     return AmqpPlan(
         exchange=data["x"],

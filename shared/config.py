@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared import netpolicy
 from shared.validation import TargetPolicy
 
 
@@ -28,6 +29,9 @@ class CommonSettings(BaseSettings):
     redis_cluster: bool = False
     #: Prefix of every Redis key (side-by-side installs and tests use their own).
     redis_prefix: str = Field(default="cronbus", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    #: CA bundle that signed the Redis server's certificate (rediss:// only); empty: the
+    #: system's trust store. The hostname is always verified.
+    redis_ca_file: str = ""
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     database_url: str = "postgresql://postgres@127.0.0.1:5432/cronbus"
     #: Logical shards of the index; fixed at install (changing it needs a rebuild).
@@ -42,12 +46,42 @@ class CommonSettings(BaseSettings):
     shutdown_grace_s: float = Field(default=20, ge=0, le=600)
     #: Apply pending database migrations when the service starts.
     migrate_on_start: bool = True
+    #: OpenTelemetry collector (OTLP over HTTP, e.g. http://otel-collector:4318) that receives
+    #: claim, publish, deliver and settle spans; empty: no export (and no cost).
+    otlp_endpoint: str = ""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: json: one JSON object per line; text: for people at a terminal.
     log_format: Literal["json", "text"] = "json"
 
 
-class DispatcherSettings(CommonSettings):
+class WebhookPolicySettings(CommonSettings):
+    """Where webhooks may go: checked at upsert (literal addresses, host globs) by the
+    dispatcher, and at every delivery (every resolved address) by the executor."""
+
+    #: Comma-separated host globs webhook targets may call.
+    webhook_allowed_hosts: str = "*"
+    #: Comma-separated CIDRs of restricted addresses (loopback, private, link-local, ...)
+    #: webhooks may reach nevertheless; empty: none.
+    webhook_allowed_networks: str = ""
+    #: Comma-separated CIDRs webhooks may never reach, even when allowed above.
+    webhook_denied_networks: str = ""
+
+    @field_validator("webhook_allowed_networks", "webhook_denied_networks")
+    @classmethod
+    def _networks_parse(cls, value: str) -> str:
+        netpolicy.parse_networks(_csv(value))
+        return value
+
+    def allowed_hosts(self) -> tuple[str, ...]:
+        return _csv(self.webhook_allowed_hosts)
+
+    def address_policy(self) -> netpolicy.AddressPolicy:
+        return netpolicy.AddressPolicy.from_text(
+            _csv(self.webhook_allowed_networks), _csv(self.webhook_denied_networks)
+        )
+
+
+class DispatcherSettings(WebhookPolicySettings):
     """The dispatcher service: command intake and claiming due occurrences."""
 
     metrics_port: int = Field(default=9101, ge=0, le=65535)
@@ -65,10 +99,6 @@ class DispatcherSettings(CommonSettings):
     shard_lease_s: float = Field(default=5, ge=0, le=300)
     #: Unacknowledged commands the intake works on at once.
     commands_prefetch: int = Field(default=32, ge=1, le=10_000)
-    #: Comma-separated host globs webhook targets may call.
-    webhook_allowed_hosts: str = "*"
-    #: Comma-separated networks a webhook URL with a literal address may not call.
-    webhook_denied_networks: str = "169.254.0.0/16,fe80::/10"
     #: Comma-separated exchange globs AMQP targets may publish to.
     amqp_allowed_exchanges: str = "*"
     #: Largest JSON body a target may carry.
@@ -78,12 +108,13 @@ class DispatcherSettings(CommonSettings):
         return TargetPolicy(
             allowed_hosts=_csv(self.webhook_allowed_hosts),
             denied_networks=_csv(self.webhook_denied_networks),
+            allowed_networks=_csv(self.webhook_allowed_networks),
             allowed_exchanges=_csv(self.amqp_allowed_exchanges),
             max_body_bytes=self.max_body_bytes,
         )
 
 
-class ExecutorSettings(CommonSettings):
+class ExecutorSettings(WebhookPolicySettings):
     """The executor service: delivering occurrences and rescheduling the next ones."""
 
     metrics_port: int = Field(default=9102, ge=0, le=65535)
@@ -93,6 +124,15 @@ class ExecutorSettings(CommonSettings):
     concurrency: int = Field(default=512, ge=1, le=100_000)
     #: Open HTTP connections per target host.
     http_connections_per_host: int = Field(default=256, ge=1)
+    #: Webhook calls in flight, and idle keep-alive connections kept, across all hosts.
+    http_connections_total: int = Field(default=1024, ge=1)
+    #: An idle keep-alive connection is closed after this long.
+    http_idle_s: float = Field(default=15, gt=0, le=3600)
+    #: JSON file: namespace (or "*") -> list of "whsec_..." secrets webhooks are signed with
+    #: (Standard Webhooks); re-read when it changes. Empty: deliveries are not signed.
+    signing_secrets_file: str = ""
+    #: Directory of secrets named by target.secret_headers: <dir>/<namespace>/<name>.
+    secrets_dir: str = ""
     #: Longest wait before completions are written to Redis in a batch.
     complete_flush_ms: int = Field(default=5, ge=0, le=10_000)
     #: Longest wait before execution rows are written to PostgreSQL in a batch.
@@ -119,3 +159,23 @@ class SweeperSettings(CommonSettings):
     retention_days: int = Field(default=7, ge=1, le=3650)
     #: Daily execution partitions created ahead of time.
     partitions_ahead_days: int = Field(default=3, ge=1, le=60)
+
+
+class ConsoleSettings(CommonSettings):
+    """The console: web pages over PostgreSQL and Redis, and (optionally) actions as commands."""
+
+    metrics_port: int = Field(default=9104, ge=0, le=65535)
+    #: Port of the web pages (the health server stays on metrics_port).
+    console_port: int = Field(default=8080, ge=0, le=65535)
+    #: Address the pages listen on.
+    console_host: str = "0.0.0.0"
+    #: Show pause, resume and trigger buttons and accept them (sent as commands over AMQP).
+    console_actions: bool = False
+    #: The console's own broker user for actions, so broker permissions apply to it
+    #: (empty: CRONBUS_AMQP_URL).
+    console_amqp_url: str = ""
+    #: Rows per page of schedules, executions and failures.
+    console_page_size: int = Field(default=50, ge=1, le=500)
+
+    def actions_amqp_url(self) -> str:
+        return self.console_amqp_url or self.amqp_url

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import hiredis
 import redis.asyncio as aioredis
@@ -20,7 +21,7 @@ from shared import keys, lua
 from shared.config import CommonSettings
 
 RedisClient = aioredis.Redis | RedisCluster
-UpsertMode = Literal["keep", "reset", "park"]
+UpsertMode = Literal["keep", "reset", "resume", "park"]
 
 
 class FastConnection(aioredis.Connection):
@@ -34,6 +35,17 @@ class FastConnection(aioredis.Connection):
         return [hiredis.pack_command(args)]
 
 
+def tls_options(settings: CommonSettings) -> dict[str, Any]:
+    """For a rediss:// URL (its scheme picks redis-py's SSL connection): the certificate and
+    the hostname are verified, against CRONBUS_REDIS_CA_FILE when one is given."""
+    if urlsplit(settings.redis_url).scheme != "rediss":
+        return {}
+    options: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
+    if settings.redis_ca_file:
+        options["ssl_ca_certs"] = settings.redis_ca_file
+    return options
+
+
 def connect(settings: CommonSettings) -> RedisClient:
     """A client for the configured Redis (standalone or cluster); it reconnects by itself."""
     options: dict[str, Any] = {
@@ -42,6 +54,7 @@ def connect(settings: CommonSettings) -> RedisClient:
         "health_check_interval": 15,
         "connection_class": FastConnection,
     }
+    options.update(tls_options(settings))
     if settings.redis_cluster:
         return RedisCluster.from_url(settings.redis_url, **options)
     return aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)

@@ -63,8 +63,9 @@ class RedisKeys:
         return f"{self.prefix}:{{{shard}}}:occ"
 
     def gone(self, shard: int) -> str:
-        """HASH ``ns/id`` -> ``version|ms``: tombstones of schedules deleted or finished at that
-        version, so no write of an older one (a rebuild, a repair) brings them back."""
+        """HASH ``ns/id`` -> ``version|ms|kind``: tombstones of schedules deleted (``d``) or
+        finished (``f``) at that version, so no write of an older one (a rebuild, a repair)
+        brings them back, and a finished one is not restarted by a continuing write."""
         return f"{self.prefix}:{{{shard}}}:gone"
 
     def seq(self, shard: int) -> str:

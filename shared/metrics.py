@@ -50,6 +50,11 @@ DELIVERED = Counter(
     "Delivery attempts by target kind and outcome (succeeded, failed, dead).",
     ["target", "outcome"],
 )
+WEBHOOK_REFUSED = Counter(
+    "cronbus_webhook_refused_total",
+    "Webhook attempts refused: the host resolved to an address not allowed, or the host "
+    "is not in CRONBUS_WEBHOOK_ALLOWED_HOSTS.",
+)
 RETRIES = Counter("cronbus_retries_total", "Occurrences put back for another attempt.")
 DEAD = Counter("cronbus_dead_total", "Occurrences that failed every attempt.")
 STALE = Counter(
@@ -156,6 +161,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
         PARTITIONS_DROPPED,
         DEPENDENCY_UP,
     ),
+    "console": (DEPENDENCY_UP,),
 }
 
 

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from shared import cron, timefmt
+from shared import cron, netpolicy, timefmt
 
 NAMESPACE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 SCHEDULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$")
@@ -32,9 +32,13 @@ LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 HTTP_URL_RE = re.compile(r"^https?://[^/\s?#]+")
 URL_CREDENTIALS_RE = re.compile(r"^https?://[^/]*@")
 HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
+#: A secret's name is one file name under CRONBUS_SECRETS_DIR/<namespace>/: no separators, no
+#: "." or "..", nothing hidden.
+SECRET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z", re.ASCII)
 #: Headers cronbus sets itself, or that belong to the HTTP connection: a schedule may not set them.
 RESERVED_HEADERS = frozenset(
     {"idempotency-key", "host", "content-length", "transfer-encoding", "connection"}
+    | {"webhook-id", "webhook-timestamp", "webhook-signature", "traceparent", "tracestate"}
 )
 RESERVED_HEADER_PREFIX = "x-cronbus-"
 MAX_LABELS = 64
@@ -156,6 +160,9 @@ class WebhookTarget(Strict):
     timeout_s: float = Field(default=10, gt=0, le=300)
     #: HTTP statuses that count as success; any 2xx when omitted.
     success_codes: list[int] | None = Field(default=None, min_length=1, max_length=100)
+    #: Header name -> name of a secret read at delivery from CRONBUS_SECRETS_DIR/<namespace>/;
+    #: only the names are stored.
+    secret_headers: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("url")
     @classmethod
@@ -166,12 +173,38 @@ class WebhookTarget(Strict):
             raise ValueError("must not carry credentials; put them in headers")
         if any(ch.isspace() for ch in value):
             raise ValueError("must not contain whitespace")
+        problem = netpolicy.url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("headers")
     @classmethod
     def _headers_are_allowed(cls, value: dict[str, str]) -> dict[str, str]:
         return _check_headers(value)
+
+    @field_validator("secret_headers")
+    @classmethod
+    def _secret_headers_are_allowed(cls, value: dict[str, str]) -> dict[str, str]:
+        _check_headers(dict.fromkeys(value, ""))
+        for name, secret in value.items():
+            if not SECRET_NAME_RE.match(secret):
+                raise ValueError(
+                    f"secret name of {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
+                    "starting with a letter or digit"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _headers_are_set_once(self) -> WebhookTarget:
+        plain = {name.lower() for name in self.headers}
+        secret = {name.lower() for name in self.secret_headers}
+        if len(plain) + len(secret) > MAX_HEADERS:
+            raise ValueError(f"at most {MAX_HEADERS} headers are allowed")
+        both = sorted(plain & secret)
+        if both:
+            raise ValueError(f"{both[0]!r} is both in headers and in secret_headers")
+        return self
 
     @field_validator("success_codes")
     @classmethod

@@ -67,6 +67,8 @@ class WebhookPlan:
     timeout_ms: int = 10_000
     #: None: any 2xx.
     success_codes: frozenset[int] | None = None
+    #: (header, secret name): the value is read at delivery, never carried.
+    secret_headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,7 @@ def _target_of(target: models.WebhookTarget | models.AmqpTarget) -> TargetPlan:
             body=body,
             timeout_ms=seconds_to_ms(target.timeout_s),
             success_codes=frozenset(target.success_codes) if target.success_codes else None,
+            secret_headers=tuple(target.secret_headers.items()),
         )
     return AmqpPlan(
         exchange=target.exchange,

@@ -36,11 +36,43 @@ class Placement:
     next_nominal: int | None
     fires: int
     last_fire_ms: int | None
+    #: This placement starts a new rotation (checkpoints of the old one are refused).
+    new_rotation: bool = False
+    #: The next occurrence is a catch-up the misfire policy chose: delivered, never re-judged.
+    catch_up: bool = False
+
+    def rotation_version(self, version: int) -> int | None:
+        """What the row's ``rotation_version`` becomes at ``version`` (None: unchanged)."""
+        return version if self.new_rotation else None
+
+
+def choose(
+    plan: Plan, candidate_ms: int | None, now_ms: int, member: str = ""
+) -> tuple[int | None, bool]:
+    """The misfire policy applied to the rule's next time: (the nominal time to place, whether
+    the policy chose it because the candidate was missed: a catch-up, never judged again)."""
+    chosen = schedule.resolve_due(plan, candidate_ms, now_ms, member)
+    missed = candidate_ms is not None and schedule.is_missed(plan, member, candidate_ms, now_ms)
+    return chosen, chosen is not None and missed
+
+
+def _fresh(plan: Plan, now_ms: int, member: str) -> tuple[int | None, bool]:
+    return choose(plan, schedule.first_nominal(plan, now_ms), now_ms, member)
+
+
+def _continued(
+    plan: Plan, fires: int, last_fire_ms: int | None, now_ms: int, member: str
+) -> tuple[int | None, bool]:
+    if schedule.is_exhausted(plan, fires):
+        return None, False
+    if last_fire_ms is None:
+        return _fresh(plan, now_ms, member)
+    return choose(plan, schedule.following(plan, last_fire_ms, now_ms), now_ms, member)
 
 
 def fresh_start(plan: Plan, now_ms: int, member: str = "") -> int | None:
     """The first occurrence of a new (or changed) rotation, misfire policy applied."""
-    return schedule.resolve_due(plan, schedule.first_nominal(plan, now_ms), now_ms, member)
+    return _fresh(plan, now_ms, member)[0]
 
 
 def continuation(
@@ -48,20 +80,21 @@ def continuation(
 ) -> int | None:
     """Where a rotation picks up after a pause or an outage: the rule's next time after the
     last fire, with the misfire policy deciding what to do about the times missed meanwhile."""
-    if schedule.is_exhausted(plan, fires):
-        return None
-    if last_fire_ms is None:
-        return fresh_start(plan, now_ms, member)
-    candidate = schedule.following(plan, last_fire_ms, now_ms)
-    return schedule.resolve_due(plan, candidate, now_ms, member)
+    return _continued(plan, fires, last_fire_ms, now_ms, member)[0]
 
 
 def _finished_or(
-    state: State, mode: UpsertMode, next_nominal: int | None, fires: int, last_fire_ms: int | None
+    state: State,
+    mode: UpsertMode,
+    placed: tuple[int | None, bool],
+    fires: int,
+    last_fire_ms: int | None,
+    new_rotation: bool = False,
 ) -> Placement:
+    next_nominal, catch_up = placed
     if next_nominal is None and state == "active":
-        return Placement("completed", None, None, fires, last_fire_ms)
-    return Placement(state, mode, next_nominal, fires, last_fire_ms)
+        return Placement("completed", None, None, fires, last_fire_ms, new_rotation)
+    return Placement(state, mode, next_nominal, fires, last_fire_ms, new_rotation, catch_up)
 
 
 def place_upsert(
@@ -73,31 +106,32 @@ def place_upsert(
     live = current is not None and current.state in ("active", "paused", "completed")
     if current is None or not live or not same_rotation(current.plan, plan):
         if paused:
-            return Placement("paused", "park", None, 0, None)
-        return _finished_or("active", "reset", fresh_start(plan, now_ms, member), 0, None)
+            return Placement("paused", "park", None, 0, None, new_rotation=True)
+        placed = _fresh(plan, now_ms, member)
+        return _finished_or("active", "reset", placed, 0, None, new_rotation=True)
     fires, last = current.fires, current.last_fire_ms
     if paused:
         return Placement("paused", "park", None, fires, last)
     if current.state == "completed":
         return Placement("completed", None, None, fires, last)
     if current.state == "paused":
-        resumed = continuation(plan, fires, last, now_ms, member)
-        return _finished_or("active", "reset", resumed, fires, last)
+        resumed = _continued(plan, fires, last, now_ms, member)
+        return _finished_or("active", "resume", resumed, fires, last)
     pending = current.next_fire_ms
-    next_nominal = (
-        schedule.resolve_due(plan, pending, now_ms, member)
+    placed = (
+        choose(plan, pending, now_ms, member)
         if pending is not None
-        else continuation(plan, fires, last, now_ms, member)
+        else _continued(plan, fires, last, now_ms, member)
     )
-    return _finished_or("active", "keep", next_nominal, fires, last)
+    return _finished_or("active", "keep", placed, fires, last)
 
 
 def place_resume(current: Current, now_ms: int, member: str = "") -> Placement:
     """A paused schedule goes back into rotation where it left off (misfire policy applied)."""
     return _finished_or(
         "active",
-        "reset",
-        continuation(current.plan, current.fires, current.last_fire_ms, now_ms, member),
+        "resume",
+        _continued(current.plan, current.fires, current.last_fire_ms, now_ms, member),
         current.fires,
         current.last_fire_ms,
     )
@@ -128,7 +162,9 @@ def index_write(
     occ = (
         ""
         if nominal is None or fire is None
-        else resting_occ_state(nominal, fire, placement.fires, plan.max_fires is not None)
+        else resting_occ_state(
+            nominal, fire, placement.fires, plan.max_fires is not None, placement.catch_up
+        )
     )
     return Upsert(
         member, plan.version if version is None else version, raw_plan, placement.mode, fire, occ
@@ -158,11 +194,11 @@ def index_entry(
     if state != "active":
         return None
     if next_fire_ms is not None and not schedule.is_exhausted(plan, fires):
-        nominal = schedule.resolve_due(plan, next_fire_ms, now_ms, member)
+        nominal, catch_up = choose(plan, next_fire_ms, now_ms, member)
     else:
-        nominal = continuation(plan, fires, last_fire_ms, now_ms, member)
+        nominal, catch_up = _continued(plan, fires, last_fire_ms, now_ms, member)
     if nominal is None:
         return None
     fire = schedule.fire_at_ms(plan, member, nominal)
-    occ = resting_occ_state(nominal, fire, fires, plan.max_fires is not None)
+    occ = resting_occ_state(nominal, fire, fires, plan.max_fires is not None, catch_up)
     return Upsert(member, plan.version, raw_plan, "keep", fire, occ)

@@ -151,7 +151,11 @@ def resolve_due(plan: Plan, candidate_ms: int | None, now_ms: int, member: str =
     bound = missed_before if on_time is None else on_time
     if misfire.policy == "fire_once":
         return previous_nominal(plan, bound, candidate_ms)
-    return _replay_start(plan, candidate_ms, now_ms - misfire.window_ms, bound)
+    # The window bounds lateness too: it is measured from each occurrence's due time.
+    oldest_in_window = first_on_time(plan, member, candidate_ms, now_ms - misfire.window_ms)
+    if oldest_in_window is None or oldest_in_window >= bound:
+        return on_time
+    return _replay_start(plan, oldest_in_window, bound)
 
 
 def is_missed(plan: Plan, member: str, nominal_ms: int, now_ms: int) -> bool:
@@ -174,7 +178,7 @@ def first_on_time(plan: Plan, member: str, candidate_ms: int, missed_before: int
     after ``missed_before`` are on time whatever their offset: only the span between is walked.
     """
     start = max(candidate_ms, missed_before - plan.jitter_ms)
-    current = next_nominal(plan, start - 1)
+    current = candidate_ms if start == candidate_ms else next_nominal(plan, start - 1)
     for _ in range(_ON_TIME_SEARCH_STEPS):
         if current is None or current >= missed_before:
             return current
@@ -184,16 +188,10 @@ def first_on_time(plan: Plan, member: str, candidate_ms: int, missed_before: int
     return next_nominal(plan, missed_before - 1)
 
 
-def _replay_start(
-    plan: Plan, candidate_ms: int, window_floor: int, missed_before: int
-) -> int | None:
-    """fire_all: the oldest missed time still to replay (within the window, the latest limit).
-
-    ``missed_before`` bounds the missed times: the first on-time nominal (or the grace line).
-    """
-    first = candidate_ms if candidate_ms >= window_floor else next_nominal(plan, window_floor - 1)
-    if first is None or first >= missed_before:
-        return first
+def _replay_start(plan: Plan, first: int, missed_before: int) -> int:
+    """fire_all: the oldest missed time still to replay, from ``first`` (the oldest within the
+    window) but at most ``limit`` of them before ``missed_before`` (the first on-time nominal,
+    or the grace line)."""
     limit = plan.misfire.limit
     if _count_missed(plan, first, missed_before, limit + 1) <= limit:
         return first

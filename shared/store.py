@@ -94,6 +94,9 @@ class NewScheduleRow:
     fires: int = 0
     last_fire_ms: int | None = None
     next_fire_ms: int | None = None
+    #: The version, when this write starts a new rotation (checkpoints of older rotations are
+    #: refused from then on); None when the rotation goes on.
+    rotation_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +285,7 @@ class Store:
                     r.fires,
                     r.last_fire_ms,
                     r.next_fire_ms,
+                    r.rotation_version,
                 )
                 for r in rows
             ],
@@ -306,6 +310,7 @@ class Store:
             row.fires,
             row.last_fire_ms,
             row.next_fire_ms,
+            row.rotation_version,
         )
         if record is None:
             raise StoreError("put_schedule returned no row")

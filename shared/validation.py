@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import pydantic
 
-from shared import codec, cron, keys, models, schedule, timefmt
+from shared import codec, cron, keys, models, netpolicy, schedule, timefmt
 from shared.errors import ValidationFailed
 from shared.plan import AfterCompletionRule, CronRule, OnceRule, Plan, plan_of
 
@@ -35,21 +35,23 @@ class TargetPolicy:
 
     #: Host globs a webhook may call ("*" allows any).
     allowed_hosts: tuple[str, ...] = ("*",)
-    #: Literal addresses a webhook may never call (cloud metadata by default).
-    denied_networks: tuple[str, ...] = ("169.254.0.0/16", "fe80::/10")
+    #: Networks denied even when ``allowed_networks`` lists them.
+    denied_networks: tuple[str, ...] = ()
+    #: Restricted networks (loopback, private, ...) webhooks may reach nevertheless.
+    allowed_networks: tuple[str, ...] = ()
     #: Exchange globs an AMQP target may publish to.
     allowed_exchanges: tuple[str, ...] = ("*",)
     #: Largest JSON body stored with a schedule.
     max_body_bytes: int = 65_536
-    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = field(
-        init=False, repr=False, compare=False
-    )
+    addresses: netpolicy.AddressPolicy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        networks = tuple(ipaddress.ip_network(net, strict=False) for net in self.denied_networks)
-        object.__setattr__(self, "networks", networks)
+        addresses = netpolicy.AddressPolicy.from_text(self.allowed_networks, self.denied_networks)
+        object.__setattr__(self, "addresses", addresses)
 
     def host_denied(self, host: str) -> bool:
+        """True for a literal address the policy denies (names are checked at delivery, once
+        resolved: resolving here would tell tenants about the operator's network)."""
         return _host_denied(self, host)
 
     def host_allowed(self, host: str) -> bool:
@@ -66,7 +68,7 @@ def _host_denied(policy: TargetPolicy, host: str) -> bool:
         address = ipaddress.ip_address(host)
     except ValueError:
         return False
-    return any(address in network for network in policy.networks)
+    return not policy.addresses.allows(address)
 
 
 @functools.lru_cache(maxsize=4096)

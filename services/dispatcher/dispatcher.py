@@ -18,9 +18,10 @@ from collections.abc import Sequence
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange
 
-from shared import amqp, delivery, keys, metrics, transient
+from shared import amqp, delivery, keys, metrics, schedule, transient
 from shared.config import DispatcherSettings
 from shared.index import Claimed, ClaimResult, Index
+from shared.spans import Spans
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,11 @@ class Dispatcher:
         index: Index,
         channel: AbstractChannel,
         stopping: asyncio.Event,
+        spans: Spans | None = None,
     ) -> None:
         self.settings = settings
+        #: None unless spans are exported (CRONBUS_OTLP_ENDPOINT).
+        self.spans = spans
         self.index = index
         self.channel = channel
         self.stopping = stopping
@@ -49,6 +53,7 @@ class Dispatcher:
         self._backlog_checked = 0.0
         self._sleep_until_ms: float = 0
         self._redis_offset_ms = 0.0
+        self._claim_span_ns = (0, 0)
 
     def use_shards(self, shards: list[int]) -> None:
         """The shard leases changed: claim from these from now on."""
@@ -81,9 +86,12 @@ class Dispatcher:
         if await self._backpressured():
             await self._pause(BACKLOG_CHECK_S)
             return
+        claim_start_ns = time.time_ns() if self.spans is not None else 0
         results = await self.index.claim(
             self.shards, self.settings.claim_batch, round(self.settings.lease_s * 1000)
         )
+        if self.spans is not None:
+            self._claim_span_ns = (claim_start_ns, time.time_ns())
         claimed = [c for result in results for c in result.claimed]
         for result in results:
             if result.orphans:
@@ -109,11 +117,28 @@ class Dispatcher:
         ]
         published = len(claimed) - len(failed)
         metrics.PUBLISHED.inc(published)
+        if self.spans is not None:
+            self._record_spans(claimed, {id(c) for c in failed})
         messages = sum(1 for o in outcomes if not isinstance(o, BaseException))
         self._published_since_check += messages
         metrics.DELIVERY_MESSAGES.inc(messages)
         if failed:
             await self._release(failed)
+
+    def _record_spans(self, claimed: Sequence[Claimed], failed: set[int]) -> None:
+        assert self.spans is not None
+        claim_start, claim_end = self._claim_span_ns
+        now = time.time_ns()
+        for c in claimed:
+            namespace, schedule_id, _ = keys.split_member(c.member)
+            key = schedule.idempotency_key(namespace, schedule_id, c.nominal_ms)
+            where: dict[str, str | int | bool] = {
+                "cronbus.schedule": f"{namespace}/{schedule_id}",
+                "cronbus.shard": c.shard,
+            }
+            self.spans.record("claim", key, c.attempt, claim_start, claim_end, where)
+            error = "publish failed" if id(c) in failed else None
+            self.spans.record("publish", key, c.attempt, claim_end, now, where, error)
 
     async def _publish_one(self, batch: Sequence[Claimed]) -> None:
         assert self._exchange is not None

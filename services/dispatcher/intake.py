@@ -363,6 +363,7 @@ class Intake:
                     placement.fires,
                     placement.last_fire_ms,
                     placement.next_nominal,
+                    placement.rotation_version(version),
                 ),
             )
             reply = {"ok": True, "created": not live, "schedule": view(row, now)}
@@ -577,6 +578,7 @@ def _next_version(
         placement.fires,
         placement.last_fire_ms,
         placement.next_nominal,
+        placement.rotation_version(version),
     )
 
 

@@ -13,7 +13,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.intake import Intake
 from services.dispatcher.leases import ShardLeases
-from shared import amqp, metrics, transient
+from shared import amqp, index, metrics, spans, transient
 from shared.config import DispatcherSettings
 from shared.service import ServiceBase, Tasks
 
@@ -26,6 +26,7 @@ class DispatcherService(ServiceBase):
     def __init__(self, settings: DispatcherSettings) -> None:
         super().__init__(settings)
         self.settings = settings
+        self.spans = spans.open_spans(settings.otlp_endpoint, self.name)
         self.consuming = False
         self._commands: set[asyncio.Task[None]] = set()
 
@@ -37,13 +38,17 @@ class DispatcherService(ServiceBase):
     async def run(self, stopping: asyncio.Event) -> None:
         tasks = self.tasks = Tasks(stopping)
         # Wake-ups travel over pub/sub on a plain connection (a cluster node relays them).
-        pubsub_client = aioredis.Redis.from_url(self.settings.redis_url)
+        pubsub_client = aioredis.Redis.from_url(
+            self.settings.redis_url, **index.tls_options(self.settings)
+        )
         try:
             await self.connections.open(stopping, tasks)
             await self._serve(stopping, tasks, pubsub_client)
         finally:
             await self.connections.close()
             await pubsub_client.aclose()
+            if self.spans is not None:
+                await asyncio.to_thread(self.spans.shutdown)
 
     async def _serve(
         self, stopping: asyncio.Event, tasks: Tasks, pubsub_client: aioredis.Redis
@@ -51,7 +56,9 @@ class DispatcherService(ServiceBase):
         settings, connections = self.settings, self.connections
         publish_channel = await connections.amqp.channel(publisher_confirms=True)
         await amqp.declare_topology(publish_channel)
-        dispatcher = Dispatcher(settings, connections.index, publish_channel, stopping)
+        dispatcher = Dispatcher(
+            settings, connections.index, publish_channel, stopping, spans=self.spans
+        )
         wake_channel = connections.index.keys.wake_channel
 
         async def wake(shard: int, fire_ms: int) -> None:

@@ -32,6 +32,7 @@ from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
 from shared.index import Completion, Index
 from shared.plan import WebhookPlan
+from shared.spans import Spans
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,11 @@ class Executor:
         events: Events,
         stopping: asyncio.Event,
         clock: Callable[[], float] = time.time,
+        spans: Spans | None = None,
     ) -> None:
         self.settings = settings
+        #: None unless spans are exported (CRONBUS_OTLP_ENDPOINT).
+        self.spans = spans
         self.index = index
         self.webhooks = webhooks
         self.amqp_targets = amqp_targets
@@ -184,11 +188,12 @@ class Executor:
                 raise
             return
         except Exception:
-            # A bug, not an outage: park the message; its leases expire and the sweeper
-            # hands the occurrences out again.
+            # A bug, not an outage: back to the queue, whose delivery limit counts the
+            # failures; past it the broker dead-letters the message, and its occurrences end
+            # dead with the reason (settle_dead_letter) instead of failing forever.
             log.exception("delivery message failed", extra={"action": "delivery_failed"})
             with contextlib.suppress(*transient.ERRORS):
-                await message.reject(requeue=False)
+                await message.nack(requeue=True)
             return
         with contextlib.suppress(*transient.ERRORS):
             # If the ack is lost the broker redelivers, and fencing skips what is settled.
@@ -299,15 +304,18 @@ class Executor:
             chosen = settle.missed_choice(occ, now)
             if chosen == occ.nominal_ms:
                 outcome, started, finished = await self._deliver(occ, key)
-                # Clocks: started/finished time the attempt on this host; decisions use Redis.
+                # Clocks: the host times the attempt; what it decides (the misfire, the next
+                # run of an after_completion schedule) is placed on the Redis clock.
                 settled_now = now + (finished - started)
         if chosen != occ.nominal_ms:
             self._log_misfire(occ, chosen)
             await self._settle(occ, settle.skip(occ, key, chosen, now))
             return
         await self._settle(
-            occ, settle.settle(occ, key, outcome, started, finished, settled_now, self.rng)
+            occ, settle.settle(occ, key, outcome, now, settled_now, settled_now, self.rng)
         )
+        if self.spans is not None:
+            self._record_spans(occ, key, outcome, started, finished)
 
     def _log_misfire(self, occ: Occurrence, chosen: int | None) -> None:
         metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
@@ -321,6 +329,17 @@ class Executor:
                 "policy": occ.plan.misfire.policy,
             },
         )
+
+    def _record_spans(
+        self, occ: Occurrence, key: str, outcome: Outcome, started: int, finished: int
+    ) -> None:
+        assert self.spans is not None
+        where: dict[str, str | int | bool] = {"cronbus.schedule": f"{occ.namespace}/{occ.id}"}
+        if outcome.http_status is not None:
+            where["http.response.status_code"] = outcome.http_status
+        start_ns, end_ns = started * 1_000_000, finished * 1_000_000
+        self.spans.record("deliver", key, occ.attempt, start_ns, end_ns, where, outcome.error)
+        self.spans.record("settle", key, occ.attempt, end_ns, time.time_ns(), where)
 
     async def _deliver(self, occ: Occurrence, key: str) -> tuple[Outcome, int, int]:
         kind = "webhook" if isinstance(occ.plan.target, WebhookPlan) else "amqp"

@@ -11,8 +11,9 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.executor import Executor
+from services.executor.secrets import SigningSecrets
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import amqp, transient
+from shared import amqp, spans, transient
 from shared.config import ExecutorSettings
 from shared.service import ServiceBase, Tasks
 
@@ -25,6 +26,11 @@ class ExecutorService(ServiceBase):
     def __init__(self, settings: ExecutorSettings) -> None:
         super().__init__(settings)
         self.settings = settings
+        #: Read now, so that a bad file stops the start (SecretsError) before anything runs.
+        self.signing_secrets = (
+            SigningSecrets(settings.signing_secrets_file) if settings.signing_secrets_file else None
+        )
+        self.spans = spans.open_spans(settings.otlp_endpoint, self.name)
         self.consuming = False
         self._messages: set[asyncio.Task[None]] = set()
 
@@ -39,7 +45,8 @@ class ExecutorService(ServiceBase):
     async def run(self, stopping: asyncio.Event) -> None:
         settings, connections = self.settings, self.connections
         tasks = self.tasks = Tasks(stopping)
-        webhooks = Webhooks(settings.http_connections_per_host)
+        webhooks = Webhooks.from_settings(settings, self.signing_secrets)
+        webhooks.sampled = self.spans is not None
         audit: AuditWriter | None = None
         try:
             await connections.open(stopping, tasks)
@@ -50,10 +57,11 @@ class ExecutorService(ServiceBase):
                 settings,
                 connections.index,
                 webhooks,
-                AmqpTargets(connections.amqp),
+                AmqpTargets(connections.amqp, sampled=self.spans is not None),
                 audit,
                 Events(connections.amqp, settings.events),
                 stopping,
+                spans=self.spans,
             )
             await self._serve(stopping, tasks, executor, audit)
         finally:
@@ -61,6 +69,8 @@ class ExecutorService(ServiceBase):
                 await audit.close(timeout_s=5)
             await webhooks.close()
             await connections.close()
+            if self.spans is not None:
+                await asyncio.to_thread(self.spans.shutdown)
 
     async def _serve(
         self, stopping: asyncio.Event, tasks: Tasks, executor: Executor, audit: AuditWriter

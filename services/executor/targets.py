@@ -3,20 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
+import functools
+import logging
+import time
+from collections.abc import Callable
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
-from services.executor.http import HttpClient, HttpError
+from services.executor.http import (
+    NOT_ALLOWED,
+    AddressNotAllowed,
+    HttpClient,
+    HttpError,
+    parse_url,
+)
+from services.executor.secrets import SecretHeaders, SecretMissing, SigningSecrets
 from services.executor.settle import Outcome
-from shared import timefmt
+from shared import metrics, signing, timefmt, tracing
+from shared.config import ExecutorSettings
 from shared.delivery import Occurrence
 from shared.plan import AmqpPlan, WebhookPlan
 
+log = logging.getLogger(__name__)
+
 USER_AGENT = "cronbus/0.1"
+HOST_NOT_ALLOWED = "target host not allowed"
 
 
-def pinned_headers(occ: Occurrence, key: str) -> dict[str, str]:
+def pinned_headers(occ: Occurrence, key: str, sampled: bool = False) -> dict[str, str]:
     """The headers every delivery carries (the pinned contract)."""
     headers = {
         "Idempotency-Key": key,
@@ -26,31 +42,93 @@ def pinned_headers(occ: Occurrence, key: str) -> dict[str, str]:
     }
     if occ.is_trigger:
         headers["X-Cronbus-Trigger"] = "manual"
+    headers["traceparent"] = tracing.traceparent(key, occ.attempt, sampled)
     return headers
 
 
 class Webhooks:
-    """One pooled HTTP client for every webhook this executor calls."""
+    """One pooled HTTP client for every webhook this executor calls, with the operator's
+    address policy, signing secrets and secret headers."""
 
-    def __init__(self, connections_per_host: int) -> None:
-        self.client = HttpClient(connections_per_host, user_agent=USER_AGENT)
+    def __init__(
+        self,
+        client: HttpClient,
+        signing_secrets: SigningSecrets | None = None,
+        secret_headers: SecretHeaders | None = None,
+        clock: Callable[[], float] = time.time,
+        allowed_hosts: tuple[str, ...] = ("*",),
+    ) -> None:
+        self.client = client
+        #: Host-name globs (CRONBUS_WEBHOOK_ALLOWED_HOSTS), checked again at every delivery.
+        self.allowed_hosts = None if "*" in allowed_hosts else allowed_hosts
+        self.signing_secrets = signing_secrets
+        self.secret_headers = secret_headers or SecretHeaders("")
+        self.clock = clock
+        #: Spans are exported: the traceparent says "sampled".
+        self.sampled = False
+
+    @classmethod
+    def from_settings(
+        cls, settings: ExecutorSettings, signing_secrets: SigningSecrets | None
+    ) -> Webhooks:
+        client = HttpClient(
+            settings.http_connections_per_host,
+            settings.address_policy(),
+            total=settings.http_connections_total,
+            idle_s=settings.http_idle_s,
+            user_agent=USER_AGENT,
+        )
+        return cls(
+            client,
+            signing_secrets,
+            SecretHeaders(settings.secrets_dir),
+            allowed_hosts=settings.allowed_hosts(),
+        )
 
     async def close(self) -> None:
         await self.client.close()
 
+    def _headers(self, occ: Occurrence, key: str, target: WebhookPlan) -> list[tuple[str, str]]:
+        """Every header of the request; SecretMissing when a secret header cannot be read."""
+        headers = list(target.headers)
+        for name, secret in target.secret_headers:
+            headers.append((name, self.secret_headers.value(occ.namespace, secret)))
+        headers += pinned_headers(occ, key, self.sampled).items()
+        if target.body is not None:
+            headers.append(("Content-Type", "application/json"))
+        if self.signing_secrets is not None:
+            keys = self.signing_secrets.keys_for(occ.namespace)
+            headers += signing.headers(keys, key, int(self.clock()), target.body or b"")
+        return headers
+
     async def deliver(self, occ: Occurrence, key: str) -> Outcome:
         target = occ.plan.target
         assert isinstance(target, WebhookPlan)
-        headers = list(target.headers)
-        headers += pinned_headers(occ, key).items()
-        if target.body is not None:
-            headers.append(("Content-Type", "application/json"))
+        if self.allowed_hosts is not None and not _host_allowed(target.url, self.allowed_hosts):
+            metrics.WEBHOOK_REFUSED.inc()
+            return Outcome(False, None, HOST_NOT_ALLOWED)
+        try:
+            headers = self._headers(occ, key, target)
+        except SecretMissing as exc:
+            return Outcome(False, None, str(exc)[:500])
         try:
             response = await self.client.request(
                 target.method, target.url, headers, target.body, target.timeout_ms / 1000
             )
         except TimeoutError:
             return Outcome(False, None, f"timed out after {target.timeout_ms / 1000:g}s")
+        except AddressNotAllowed as exc:
+            metrics.WEBHOOK_REFUSED.inc()
+            log.warning(
+                "webhook refused: its host resolves to an address not allowed",
+                extra={
+                    "action": "webhook_refused",
+                    "schedule": occ.member,
+                    "host": exc.host,
+                    "address": exc.address,
+                },
+            )
+            return Outcome(False, None, NOT_ALLOWED)
         except HttpError as exc:
             return Outcome(False, None, str(exc)[:500])
         status = response.status
@@ -60,6 +138,15 @@ class Webhooks:
         return Outcome(False, status, f"HTTP {status}" + (f": {text}" if text else ""))
 
 
+@functools.lru_cache(maxsize=4096)
+def _host_allowed(url: str, globs: tuple[str, ...]) -> bool:
+    try:
+        host = parse_url(url).host
+    except HttpError:
+        return False
+    return any(fnmatch.fnmatchcase(host, glob) for glob in globs)
+
+
 def _succeeded(status: int, codes: frozenset[int] | None) -> bool:
     return status in codes if codes is not None else 200 <= status < 300
 
@@ -67,8 +154,9 @@ def _succeeded(status: int, codes: frozenset[int] | None) -> bool:
 class AmqpTargets:
     """Publishes to users' exchanges with publisher confirms; ``message_id`` is the key."""
 
-    def __init__(self, connection: AbstractRobustConnection) -> None:
+    def __init__(self, connection: AbstractRobustConnection, sampled: bool = False) -> None:
         self.connection = connection
+        self.sampled = sampled
         self._channel: AbstractChannel | None = None
         self._lock = asyncio.Lock()
 
@@ -84,7 +172,7 @@ class AmqpTargets:
         target = occ.plan.target
         assert isinstance(target, AmqpPlan)
         headers: dict[str, object] = dict(target.headers)
-        pinned = pinned_headers(occ, key)
+        pinned = pinned_headers(occ, key, self.sampled)
         del pinned["Idempotency-Key"]
         headers.update(pinned)
         message = aio_pika.Message(

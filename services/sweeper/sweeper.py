@@ -146,10 +146,24 @@ class Sweeper:
 
     # --- rebuild ------------------------------------------------------------------------------
 
+    async def redis_now_ms(self) -> int:
+        """The Redis clock: every misfire decision uses it, never this host's."""
+        seconds, micros = await self.index.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def _rebuild_running(self) -> bool:
+        if self.rebuilding is not None and not self.rebuilding.done():
+            return True
+        return bool(await self.index.client.exists(self.index.keys.rebuild_lock))
+
     async def check_epoch(self) -> None:
         """Rebuild a lost index, or one restored from an older snapshot; else move the index
         generation forward (in Redis first, then PostgreSQL), so that a snapshot taken now is
         recognised as old once it is restored later."""
+        # PostgreSQL first: Redis is moved forward before PostgreSQL, so a Redis generation
+        # read after this one is behind it only if Redis lost data since. Read the other way
+        # round, another sweeper advancing both in between would look like a restore.
+        expected = await self.store.index_generation()
         epoch = await self.index.client.get(self.index.keys.epoch)
         metrics.INDEX_EPOCH_PRESENT.set(1 if epoch else 0)
         if self.rebuilding is not None and not self.rebuilding.done():
@@ -158,7 +172,6 @@ class Sweeper:
             self.rebuilding = asyncio.create_task(self.rebuild_with_lock(), name="rebuild")
             return
         generation = int(epoch)
-        expected = await self.store.index_generation()
         if generation < expected:
             log.error(
                 "index is older than PostgreSQL says (restored from an old snapshot?): "
@@ -239,7 +252,7 @@ class Sweeper:
         return written
 
     async def _write_entries(self, rows: Sequence[LiveSchedule]) -> int:
-        now = self.now_ms()
+        now = await self.redis_now_ms()
         entries = []
         for row in rows:
             entry = _entry_of(row, now)
@@ -280,6 +293,7 @@ class Sweeper:
         stored = await self._stored_plans([(r.namespace, r.id) for r in rows])
         repairs: list[tuple[int, Upsert]] = []
         removals: dict[int, list[tuple[str, int | None]]] = defaultdict(list)
+        now = await self.redis_now_ms()
         for row in rows:
             member = keys.member(row.namespace, row.id)
             shard = self.index.shard_of(row.namespace, row.id)
@@ -293,7 +307,7 @@ class Sweeper:
                 old is not None and compact.version_of(old) >= row.version
             ):
                 continue
-            entry = _entry_of(row, self.now_ms())
+            entry = _entry_of(row, now)
             if entry is None:
                 continue
             if (
@@ -360,13 +374,17 @@ class Sweeper:
             cursor, batch = await self.index.client.hscan(
                 self.index.keys.sched(shard), cursor, count=SCAN_BATCH
             )
-            members = [m.decode() if isinstance(m, bytes) else m for m in batch]
+            # The version seen goes with each removal: a schedule recreated (a newer version
+            # written) after PostgreSQL was read is left alone by remove.lua.
+            stored: dict[bytes, bytes] = dict(batch)  # type: ignore[arg-type]
+            seen = {m.decode(): compact.version_of(plan) for m, plan in stored.items()}
+            members = list(seen)
             if members:
                 pairs = [keys.split_member(m)[:2] for m in members]
                 rows = await self.store.schedule_versions(pairs)
                 live = {keys.member(r.namespace, r.id) for r in rows if r.state != "deleted"}
                 orphans: list[tuple[str, int | None]] = [
-                    (m, None) for m in members if m not in live
+                    (m, seen[m]) for m in members if m not in live
                 ]
                 if orphans:
                     await self.index.remove({shard: orphans})
@@ -383,8 +401,11 @@ class Sweeper:
         A finished schedule whose checkpoint never reached PostgreSQL (its executor died
         between finishing it in Redis and writing the audit) is marked finished there now.
         """
-        now = self.now_ms()
+        now = await self.redis_now_ms()
         if now - self._last_tombstones_ms < TOMBSTONE_CHECK_MS:
+            return 0
+        if await self._rebuild_running():
+            # A rebuild streams an old read of PostgreSQL: the tombstones must outlive it.
             return 0
         self._last_tombstones_ms = now
         trimmed = 0
@@ -402,11 +423,11 @@ class Sweeper:
         return trimmed
 
     async def _trim(self, shard: int, batch: Any, now: int) -> int:
-        old: dict[str, tuple[int, bytes]] = {}
+        old: dict[str, tuple[int, bytes, bool]] = {}
         for raw_member, value in batch.items():
-            buried, _, at = value.decode().partition("|")
+            buried, at, kind = [*value.decode().split("|"), "", ""][:3]
             if now - int(at or 0) >= TOMBSTONE_KEEP_MS:
-                old[raw_member.decode()] = (int(buried), value)
+                old[raw_member.decode()] = (int(buried), value, kind == "f")
         if not old:
             return 0
         rows = {
@@ -415,10 +436,11 @@ class Sweeper:
         }
         settled: list[tuple[str, bytes]] = []
         finished: list[Checkpoint] = []
-        for member, (version, value) in old.items():
+        for member, (version, value, was_finished) in old.items():
             row = rows.get(member)
             if row is not None and row.state == "active" and row.version == version:
-                finished.append(_finished_checkpoint(row))
+                if was_finished:
+                    finished.append(_finished_checkpoint(row))
             elif row is None or row.state != "active" or row.version > version:
                 settled.append((member, value))
         if finished:

@@ -15,15 +15,17 @@ FOR UPDATE;
 
 -- put_schedule --
 -- Create or replace a schedule at the version the caller computed under the row lock.
+-- $12: the version when a new rotation starts, else NULL (the rotation goes on).
 INSERT INTO schedules AS s (namespace, id, version, state, definition, compact, priority,
-                            labels, fires, last_fire_at, next_fire_at)
+                            labels, fires, last_fire_at, next_fire_at, rotation_version)
 VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8::jsonb, $9, to_timestamp($10::bigint / 1000.0),
-        to_timestamp($11::bigint / 1000.0))
+        to_timestamp($11::bigint / 1000.0), $12::bigint)
 ON CONFLICT (namespace, id) DO UPDATE
 SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.definition,
     compact = EXCLUDED.compact, priority = EXCLUDED.priority, labels = EXCLUDED.labels,
     fires = EXCLUDED.fires, last_fire_at = EXCLUDED.last_fire_at,
-    next_fire_at = EXCLUDED.next_fire_at, updated_at = now(),
+    next_fire_at = EXCLUDED.next_fire_at,
+    rotation_version = COALESCE(EXCLUDED.rotation_version, s.rotation_version), updated_at = now(),
     created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END
 RETURNING namespace, id, version, state, definition, compact, priority, labels, fires,
           last_fire_at, next_fire_at, created_at, updated_at;
@@ -93,7 +95,7 @@ FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6
      AS c(namespace, id, last_ms, next_ms, fires, finished, version)
 WHERE s.namespace = c.namespace AND s.id = c.id
   -- An occurrence of an older rotation (the schedule was reset since) checkpoints nothing.
-  AND c.version >= s.rotation_version
+  AND c.version >= COALESCE(s.rotation_version, 0)
   AND (s.last_fire_at IS NULL OR s.last_fire_at <= to_timestamp(c.last_ms / 1000.0));
 
 -- recent_executions --
@@ -143,21 +145,24 @@ FOR UPDATE;
 -- A transaction-local staging table for COPY (bulk import).
 CREATE TEMPORARY TABLE IF NOT EXISTS schedule_staging (
     namespace text, id text, version bigint, state text, definition text, compact bytea,
-    priority integer, labels text, fires bigint, last_fire_ms bigint, next_fire_ms bigint
+    priority integer, labels text, fires bigint, last_fire_ms bigint, next_fire_ms bigint,
+    rotation_version bigint
 ) ON COMMIT DELETE ROWS;
 
 -- put_staged_schedules --
 -- Create or replace every staged schedule at the version the importer computed.
 INSERT INTO schedules AS s (namespace, id, version, state, definition, compact, priority,
-                            labels, fires, last_fire_at, next_fire_at)
+                            labels, fires, last_fire_at, next_fire_at, rotation_version)
 SELECT namespace, id, version, state, definition::jsonb, compact, priority, labels::jsonb,
-       fires, to_timestamp(last_fire_ms / 1000.0), to_timestamp(next_fire_ms / 1000.0)
+       fires, to_timestamp(last_fire_ms / 1000.0), to_timestamp(next_fire_ms / 1000.0),
+       rotation_version
 FROM schedule_staging
 ON CONFLICT (namespace, id) DO UPDATE
 SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.definition,
     compact = EXCLUDED.compact, priority = EXCLUDED.priority, labels = EXCLUDED.labels,
     fires = EXCLUDED.fires, last_fire_at = EXCLUDED.last_fire_at,
-    next_fire_at = EXCLUDED.next_fire_at, updated_at = now(),
+    next_fire_at = EXCLUDED.next_fire_at,
+    rotation_version = COALESCE(EXCLUDED.rotation_version, s.rotation_version), updated_at = now(),
     created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END;
 
 -- index_generation --

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import codec, schedule, timefmt
+from shared import codec, netpolicy, schedule, timefmt
 from tests.support import private, services
 from tests.support.stack import Stack
 
@@ -58,6 +58,7 @@ async def env(servers: private.PrivateServices) -> AsyncIterator[dict[str, str]]
         "CRONBUS_SHUTDOWN_GRACE_S": "5",
         "CRONBUS_DRIFT_CHECK_INTERVAL_S": "2",
         "CRONBUS_EVENTS": "none",
+        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
         "CRONBUS_LOG_LEVEL": "INFO",
     }
 
@@ -311,8 +312,10 @@ async def test_sigterm_under_load_loses_nothing_and_leaves_no_lease(
     assert await stack.stop(first) == 0, first.tail()
     await asyncio.sleep(2)
     dispatcher = stack.running("dispatcher")[0]
-    assert await stack.stop(dispatcher) == 0, dispatcher.tail()
+    # Claiming stops at the signal; the exit may come later (a loaded machine), so what
+    # had to fire is what came due before the signal.
     stopped_ms = int(time.time() * 1000)
+    assert await stack.stop(dispatcher) == 0, dispatcher.tail()
     sweeper = stack.start("sweeper")
     await stack.wait_ready(sweeper)
     assert await stack.stop(sweeper) == 0, sweeper.tail()

@@ -10,7 +10,7 @@ import pytest
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import compact, index, keys
+from shared import compact, index, keys, netpolicy
 from shared.config import CommonSettings
 from shared.index import Completion, Index, Upsert
 from shared.plan import IntervalRule, Plan, WebhookPlan
@@ -75,6 +75,7 @@ def cluster_env(redis_cluster: cluster.Cluster, amqp_url: str, database_url: str
         "CRONBUS_DATABASE_URL": database_url,
         "CRONBUS_SWEEP_INTERVAL_S": "1",
         "CRONBUS_LEASE_S": "5",
+        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
     }
 
 

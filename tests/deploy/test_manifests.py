@@ -29,13 +29,20 @@ import pytest
 import yaml
 
 from cronbus.cli import build_parser
-from shared.config import CommonSettings, DispatcherSettings, ExecutorSettings, SweeperSettings
+from shared import keys
+from shared.config import (
+    CommonSettings,
+    ConsoleSettings,
+    DispatcherSettings,
+    ExecutorSettings,
+    SweeperSettings,
+)
 
 Obj = dict[str, Any]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "k8s"
-OVERLAYS = ("dev", "production")
+OVERLAYS = ("dev", "production", "keda")
 NAMESPACE = "cronbus"
 KUBECTL = Path(sys.executable).parent / "kubectl"
 #: The newest Kubernetes version kubernetes-validate has schemas for.
@@ -46,9 +53,10 @@ SETTINGS: dict[str, type[CommonSettings]] = {
     "dispatcher": DispatcherSettings,
     "executor": ExecutorSettings,
     "sweeper": SweeperSettings,
+    "console": ConsoleSettings,
     "migrate": SweeperSettings,
 }
-SERVICES = ("dispatcher", "executor", "sweeper")
+SERVICES = ("dispatcher", "executor", "sweeper", "console")
 #: Settings that come from the Secret, never from a ConfigMap: field -> key in the Secret.
 SECRET_NAME = "cronbus-secrets"
 SECRET_KEYS = {"redis_url": "redis-url", "amqp_url": "amqp-url", "database_url": "database-url"}
@@ -57,6 +65,7 @@ NEEDS = {
     "dispatcher": ("redis_url", "amqp_url", "database_url"),
     "executor": ("redis_url", "amqp_url", "database_url"),
     "sweeper": ("redis_url", "amqp_url", "database_url"),
+    "console": ("redis_url", "amqp_url", "database_url"),
     "migrate": ("database_url",),
 }
 DEFAULT_PORTS = {"redis": 6379, "rediss": 6379, "amqp": 5672, "amqps": 5671, "postgresql": 5432}
@@ -438,17 +447,59 @@ def alert_errors(item: Obj) -> list[str]:
     return errors + unknown_metrics(item["expr"])
 
 
+#: What KEDA's ScaledObject CRD and its rabbitmq scaler require.
+RABBITMQ_MODES = {"QueueLength", "MessageRate"}
+
+
 def scaled_object_errors(scaled: Obj, objects: tuple[Obj, ...]) -> list[str]:
     spec = scaled.get("spec") or {}
-    target = (spec.get("scaleTargetRef") or {}).get("name")
-    errors = [] if named(objects, "Deployment", str(target)) else [f"no Deployment {target}"]
+    ref = spec.get("scaleTargetRef") or {}
+    target = ref.get("name")
+    deployment = named(objects, "Deployment", str(target))
+    errors = [] if deployment else [f"no Deployment {target}"]
     triggers = spec.get("triggers") or []
     if not triggers or any(not t.get("type") or not t.get("metadata") for t in triggers):
         errors.append("spec.triggers must each have a type and metadata")
+    low, high = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
+    if not (isinstance(low, int) and isinstance(high, int) and 0 <= low <= high):
+        errors.append(f"replica counts {low}..{high} are not 0 <= min <= max")
+    for trigger in triggers:
+        if trigger.get("type") == "rabbitmq" and deployment is not None:
+            errors += rabbitmq_trigger_errors(trigger.get("metadata") or {}, deployment, objects)
     for hpa in of_kind(objects, "HorizontalPodAutoscaler"):
         if hpa["spec"]["scaleTargetRef"]["name"] == target:
             errors.append(f"{ident(hpa)} scales {target} too: KEDA makes its own")
     return errors
+
+
+def rabbitmq_trigger_errors(meta: Obj, deployment: Obj, objects: tuple[Obj, ...]) -> list[str]:
+    errors = []
+    if meta.get("queueName") != keys.DELIVERIES_QUEUE:
+        errors.append(f"rabbitmq trigger watches {meta.get('queueName')!r}, not the deliveries")
+    if meta.get("mode") not in RABBITMQ_MODES or not str(meta.get("value", "")).isdigit():
+        errors.append("rabbitmq trigger needs mode QueueLength or MessageRate and a value")
+    if meta.get("protocol", "auto") not in {"amqp", "http", "auto"}:
+        errors.append(f"rabbitmq trigger protocol {meta.get('protocol')!r} is unknown")
+    if not (meta.get("host") or meta.get("hostFromEnv")):
+        errors.append("rabbitmq trigger has no host or hostFromEnv")
+    variable = meta.get("hostFromEnv")
+    if variable:
+        # KEDA reads it from the scale target's container environment.
+        first = containers(deployment)[0]
+        if variable not in container_env(objects, first):
+            errors.append(f"hostFromEnv {variable} is not in {ident(deployment)}'s environment")
+    return errors
+
+
+def test_the_keda_overlay_scales_executors_on_the_deliveries_queue_only() -> None:
+    objects = render("keda")
+    scaled = of_kind(objects, "ScaledObject")
+    assert [s["spec"]["scaleTargetRef"]["name"] for s in scaled] == ["cronbus-executor"]
+    assert [t["type"] for t in scaled[0]["spec"]["triggers"]] == ["rabbitmq"]
+    assert of_kind(objects, "HorizontalPodAutoscaler") == []
+    # Everything else is production's.
+    production = {ident(o) for o in render("production")}
+    assert production - {ident(o) for o in objects} == {"HorizontalPodAutoscaler/cronbus-executor"}
 
 
 def test_production_is_watched() -> None:
@@ -590,6 +641,12 @@ def test_probes_and_services_use_the_metrics_port(overlay: str) -> None:
         for svc in services:
             for svc_port in svc["spec"]["ports"]:
                 target = resolve_port(svc_port.get("targetPort", svc_port["port"]), container)
+                if component == "console" and svc_port.get("name") == "http":
+                    # The console's pages: the port it serves them on.
+                    pages = getattr(settings, "console_port", None)
+                    if svc_port["port"] != pages or target != pages:
+                        errors.append(f"{ident(svc)}: http port {svc_port} is not {pages}")
+                    continue
                 if svc_port["port"] != port or target != port:
                     errors.append(f"{ident(svc)}: port {svc_port} is not the metrics port {port}")
     assert errors == []
@@ -737,7 +794,9 @@ def test_autoscaler_and_disruption_budgets_match_the_deployments(overlay: str) -
     objects = render(overlay)
     errors: list[str] = []
     hpas = of_kind(objects, "HorizontalPodAutoscaler")
-    assert [h["spec"]["scaleTargetRef"]["name"] for h in hpas] == ["cronbus-executor"]
+    # The executors have one autoscaler: an HPA, or KEDA's ScaledObject (which makes one).
+    scalers = [*hpas, *of_kind(objects, "ScaledObject")]
+    assert [h["spec"]["scaleTargetRef"]["name"] for h in scalers] == ["cronbus-executor"]
     for hpa in hpas:
         spec = hpa["spec"]
         target = named(objects, "Deployment", spec["scaleTargetRef"]["name"])

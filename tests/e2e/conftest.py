@@ -9,6 +9,7 @@ import pytest
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
+from shared import netpolicy
 from tests.support import services
 from tests.support.stack import Stack
 
@@ -28,6 +29,8 @@ def stack_env(
         "CRONBUS_LOG_LEVEL": "INFO",
         "CRONBUS_SWEEP_INTERVAL_S": "1",
         "CRONBUS_SHUTDOWN_GRACE_S": "10",
+        # The sinks the tests deliver to listen on loopback.
+        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
     }
 
 

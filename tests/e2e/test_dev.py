@@ -8,17 +8,24 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from tests.support import services
+
+
+def _get(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return int(response.status), response.read().decode()
 
 
 async def test_dev_runs_the_services_and_prints_deliveries(
     stack_env: dict[str, str], tmp_path: Path
 ) -> None:
     base = services.free_port()
-    while any(services.port_open("127.0.0.1", base + i) for i in range(1, 3)):
+    while any(services.port_open("127.0.0.1", base + i) for i in range(1, 4)):
         base = services.free_port()
+    console_port = services.free_port()
     log = (tmp_path / "dev.out").open("wb")
     dev = subprocess.Popen(  # noqa: ASYNC220 - one child, waited on in a thread
         [
@@ -31,6 +38,8 @@ async def test_dev_runs_the_services_and_prints_deliveries(
             str(services.free_port()),
             "--status-every",
             "2",
+            "--console-port",
+            str(console_port),
         ],
         env={**os.environ, **stack_env},
         cwd=tmp_path,
@@ -47,6 +56,10 @@ async def test_dev_runs_the_services_and_prints_deliveries(
         else:
             raise AssertionError(f"no deliveries printed:\n{text}")
         assert "registered demo/every-5s" in text
+        assert f"console: http://127.0.0.1:{console_port}/" in text
+        status, page = await asyncio.to_thread(_get, f"http://127.0.0.1:{console_port}/")
+        assert status == 200
+        assert 'href="/ns/demo"' in page
         assert (tmp_path / ".cronbus-dev" / "dispatcher.log").exists()
     finally:
         dev.send_signal(signal.SIGINT)

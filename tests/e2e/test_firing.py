@@ -14,7 +14,7 @@ from aio_pika.abc import AbstractQueue
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import codec, keys, schedule, timefmt
+from shared import codec, keys, schedule, timefmt, tracing
 from tests.support.stack import Stack
 
 
@@ -247,6 +247,8 @@ async def test_amqp_target_and_trigger(
         assert message.headers["X-Cronbus-Fire-Time"] == triggered["trigger"]["fire_time"]
         assert message.headers["X-Cronbus-Attempt"] == "1"
         assert message.headers["x-tenant"] == "acme"
+        key = triggered["trigger"]["idempotency_key"]
+        assert message.headers["traceparent"] == tracing.traceparent(key, 1)
         assert codec.loads(message.body) == {"invoice": 42}
         # A trigger runs outside the rotation: the next regular fires have not moved.
         after = await client.send("acme", "get", {"id": "remind"})

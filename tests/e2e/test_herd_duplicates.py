@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from cronbus.sink import Sink
-from shared import bulk, codec, timefmt, validation
+from shared import bulk, codec, netpolicy, timefmt, validation
 from shared.index import Index
 from shared.store import Store
 from tests.support.stack import Stack
@@ -69,7 +69,12 @@ async def test_a_herd_without_faults_delivers_each_occurrence_once(
     store = await Store.open(database_url)
     try:
         result = await bulk.import_lines(
-            lines, "herd", store, index, validation.TargetPolicy(), workers=1
+            lines,
+            "herd",
+            store,
+            index,
+            validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK),
+            workers=1,
         )
     finally:
         await store.close()

@@ -7,11 +7,14 @@ import time
 import asyncpg
 import pytest
 
-from shared import bulk, codec, compact, keys, timefmt, validation
+from shared import bulk, codec, compact, keys, netpolicy, timefmt, validation
 from shared.index import Index
 from shared.store import Store
 
 NOW = int(time.time() * 1000)
+
+#: The schedules here call a loopback address.
+LOCAL = validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK)
 
 
 def line(schedule_id: str, **spec: object) -> bytes:
@@ -36,7 +39,7 @@ async def test_import_validates_each_line_and_writes_both_stores(
     store = await Store.open(database_url)
     try:
         result = await bulk.import_lines(
-            lines, "imp", store, index, validation.TargetPolicy(), batch_size=5, workers=workers
+            lines, "imp", store, index, LOCAL, batch_size=5, workers=workers
         )
     finally:
         await store.close()
@@ -67,13 +70,11 @@ async def test_reimport_replaces_but_keeps_a_rotation_whose_times_did_not_change
     store = await Store.open(database_url)
     try:
         first = [line("same"), line("changed")]
-        await bulk.import_lines(first, "imp", store, index, validation.TargetPolicy(), workers=1)
+        await bulk.import_lines(first, "imp", store, index, LOCAL, workers=1)
         shard = index.shard_of("imp", "same")
         await index.client.zadd(index.keys.due(shard), {"imp/same": 42})  # a rotation mark
         second = [line("same"), line("changed", kind="interval", every_s=3600)]
-        result = await bulk.import_lines(
-            second, "imp", store, index, validation.TargetPolicy(), workers=1
-        )
+        result = await bulk.import_lines(second, "imp", store, index, LOCAL, workers=1)
         assert (result.imported, result.created) == (2, 0)
         row = await store.get_schedule("imp", "changed")
         assert row is not None and row.version == 2

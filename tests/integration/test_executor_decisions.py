@@ -16,8 +16,9 @@ from cronbus.sink import Sink
 from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.executor import Executor
+from services.executor.http import HttpClient
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import amqp, bulk, codec, delivery, keys, schedule, validation
+from shared import amqp, bulk, codec, delivery, keys, netpolicy, schedule, validation
 from shared.config import ExecutorSettings
 from shared.index import Index
 from shared.store import Store
@@ -55,7 +56,7 @@ async def executor_with_clock(
     skew_s: float,
 ) -> tuple[Executor, Webhooks, AuditWriter]:
     settings = ExecutorSettings(redis_prefix=redis_prefix, shards=index.shards)
-    webhooks = Webhooks(4)
+    webhooks = Webhooks(HttpClient(4, netpolicy.AddressPolicy.from_text(netpolicy.LOOPBACK)))
     audit = AuditWriter(store, 10, 10_000)
     executor = Executor(
         settings,
@@ -78,7 +79,12 @@ async def claim_one(index: Index, store: Store, sink: Sink, **schedule_fields: o
         **schedule_fields,
     }
     result = await bulk.import_lines(
-        [codec.dumps(item)], "ex", store, index, validation.TargetPolicy(), workers=1
+        [codec.dumps(item)],
+        "ex",
+        store,
+        index,
+        validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK),
+        workers=1,
     )
     assert not result.refused
     deadline = time.monotonic() + 5

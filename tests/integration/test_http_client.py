@@ -9,7 +9,9 @@ import pytest
 
 from cronbus.sink import Sink
 from services.executor.http import MAX_DRAIN, HttpClient, HttpError, parse_url
+from shared import netpolicy
 
+LOOPBACK = netpolicy.AddressPolicy.from_text(netpolicy.LOOPBACK)
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -39,7 +41,7 @@ async def serve(handler: Handler) -> tuple[asyncio.Server, str]:
 
 @pytest.fixture
 async def client() -> AsyncIterator[HttpClient]:
-    found = HttpClient(per_host=4)
+    found = HttpClient(per_host=4, policy=LOOPBACK)
     yield found
     await found.close()
 
@@ -190,7 +192,7 @@ async def test_timeouts_refusals_and_garbage_are_errors(client: HttpClient) -> N
 async def test_many_calls_at_once_against_the_sink() -> None:
     sink = Sink()
     await sink.start()
-    client = HttpClient(per_host=8)
+    client = HttpClient(per_host=8, policy=LOOPBACK)
     try:
         results = await asyncio.gather(
             *(

@@ -12,13 +12,16 @@ import pytest
 from redis.asyncio.lock import Lock
 
 from services.sweeper.sweeper import Sweeper
-from shared import bulk, codec, compact, db, keys, timefmt, validation
+from shared import bulk, codec, compact, db, keys, netpolicy, timefmt, validation
 from shared.config import SweeperSettings
 from shared.index import Index, Upsert
 from shared.store import Checkpoint, PendingRun, Store
 from tests.conftest import SHARDS
 
 NOW = int(time.time() * 1000)
+
+#: The schedules here call a loopback address.
+LOCAL = validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK)
 
 
 @pytest.fixture
@@ -38,7 +41,7 @@ def sweeper(index: Index, store: Store, redis_prefix: str, database_url: str) ->
 
 async def load(store: Store, index: Index, *items: dict[str, object]) -> None:
     result = await bulk.import_lines(
-        [codec.dumps(i) for i in items], "sw", store, index, validation.TargetPolicy(), workers=1
+        [codec.dumps(i) for i in items], "sw", store, index, LOCAL, workers=1
     )
     assert not result.refused, result.refused
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from cronbus.sink import Sink
+from shared import netpolicy
 from tests.ledger import report, run
 from tests.ledger import sink as ledger_sink
 from tests.support import private, services
@@ -63,7 +64,7 @@ def env(servers: private.PrivateServices) -> dict[str, str]:
         # Frequent drift checks: drift repair must never touch an occurrence in flight.
         "CRONBUS_DRIFT_CHECK_INTERVAL_S": "1",
         "CRONBUS_EVENTS": "failures",
-        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8",
+        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
         "CRONBUS_LOG_LEVEL": "INFO",
     }
 

@@ -329,7 +329,11 @@ async def test_tokens_never_repeat_after_redis_loses_its_counter(index: Index) -
     assert old > NOW * 1000  # at least the clock in microseconds
     # Redis lost its data (the counter included): the index is written again.
     await index.client.delete(
-        index.keys.seq(0), index.keys.occ(0), index.keys.lease(0), index.keys.due(0)
+        index.keys.seq(0),
+        index.keys.occ(0),
+        index.keys.lease(0),
+        index.keys.due(0),
+        index.keys.sched(0),
     )
     await add(index, 0, "ns/t", NOW)
     [again] = await index.claim([0], limit=1, lease_ms=LEASE_MS, now_ms=NOW + 1)
@@ -345,7 +349,7 @@ async def test_a_finished_schedule_leaves_a_tombstone_no_repair_can_undo(index: 
     token = result.claimed[0].token
     done = await index.complete({0: [Completion("ns/once", token, None, "", finish=True)]}, NOW)
     assert done == {0: [1]}
-    assert await index.client.hget(index.keys.gone(0), "ns/once") == f"3|{NOW}".encode()
+    assert await index.client.hget(index.keys.gone(0), "ns/once") == f"3|{NOW}|f".encode()
     # A drift repair or rebuild that read PostgreSQL before the checkpoint landed there.
     assert await add(index, 0, "ns/once", NOW - 1, version=3, mode="keep") == -1
     assert await snapshot(index, 0) == {"due": [], "lease": [], "occ": {}, "sched": {}}

@@ -8,14 +8,26 @@ from pathlib import Path
 import prometheus_client
 
 from shared import metrics
-from shared.config import CommonSettings, DispatcherSettings, ExecutorSettings, SweeperSettings
+from shared.config import (
+    CommonSettings,
+    ConsoleSettings,
+    DispatcherSettings,
+    ExecutorSettings,
+    SweeperSettings,
+)
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def test_every_setting_is_documented_and_nothing_else() -> None:
     fields = set()
-    for cls in (CommonSettings, DispatcherSettings, ExecutorSettings, SweeperSettings):
+    for cls in (
+        CommonSettings,
+        DispatcherSettings,
+        ExecutorSettings,
+        SweeperSettings,
+        ConsoleSettings,
+    ):
         fields |= {f"CRONBUS_{name.upper()}" for name in cls.model_fields}
     documented = set(re.findall(r"`(CRONBUS_[A-Z_]+)`", README))
     cli_only = {"CRONBUS_NAMESPACE"}

@@ -1,0 +1,212 @@
+"""The console's pure parts: query bounds, filters, upcoming fires with DST marks, the SVG chart.
+
+No I/O here: every function takes what it needs (the clock included) and is unit-tested.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from markupsafe import Markup, escape
+
+from shared import schedule
+from shared.plan import CronRule, Plan
+
+#: Above every id the contract allows (ids are ASCII): the open end of a list's range.
+TOP = "\U0010ffff"
+_SURROGATES = range(0xD800, 0xE000)
+
+
+class BadQuery(ValueError):
+    """A query parameter that cannot be used; the message names it and says why."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def prefix_bounds(prefix: str) -> tuple[str, str]:
+    """[low, high) in byte order (UTF-8, i.e. code point order) holding every string that
+    starts with ``prefix``: one index range instead of a scan."""
+    stem = prefix.rstrip(TOP)
+    if not stem:
+        # Nothing to increment (ids are ASCII, so TOP still closes the range for every id).
+        return prefix, TOP
+    following = ord(stem[-1]) + 1
+    if following in _SURROGATES:
+        following = _SURROGATES.stop
+    return prefix, stem[:-1] + chr(following)
+
+
+def parse_label(text: str) -> tuple[str, str] | None:
+    """``key=value`` -> (key, value); empty text -> None."""
+    text = text.strip()
+    if not text:
+        return None
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise BadQuery("label", "must be key=value")
+    return key.strip(), value.strip()
+
+
+def parse_state(text: str, states: Sequence[str]) -> str | None:
+    if not text:
+        return None
+    if text not in states:
+        raise BadQuery("state", f"must be one of {', '.join(states)}")
+    return text
+
+
+def check_text(field: str, text: str, limit: int = 200) -> str:
+    """Free text of a query (search, cursor): bounded, and no NUL (PostgreSQL refuses it)."""
+    if len(text) > limit:
+        raise BadQuery(field, f"is longer than {limit} characters")
+    if "\x00" in text:
+        raise BadQuery(field, "contains a NUL character")
+    return text
+
+
+def attempt_of(occ: bytes | str | None) -> int | None:
+    """The attempt number of an index occurrence state ``nominal|attempt|token|fires``."""
+    if occ is None:
+        return None
+    text = occ.decode() if isinstance(occ, bytes) else occ
+    parts = text.split("|")
+    if len(parts) < 2 or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def duration_text(ms: int) -> str:
+    """A wait as a person reads it: ``850 ms``, ``42 s``, ``7 min 5 s``, ``5 d 9 h``."""
+    if ms < 1000:
+        return f"{max(ms, 0)} ms"
+    seconds = ms // 1000
+    units = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
+    parts: list[str] = []
+    for name, size in units:
+        count, seconds = divmod(seconds, size)
+        if count or parts:
+            parts.append(f"{count} {name}")
+        if len(parts) == 2:
+            break
+    return " ".join(p for p in parts if not p.startswith("0 ")) or "0 s"
+
+
+def utc_text(value: dt.datetime | None) -> str:
+    if value is None:
+        return "—"
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S") + "Z"
+
+
+def offset_text(offset: dt.timedelta | None) -> str:
+    minutes = round((offset or dt.timedelta()).total_seconds() / 60)
+    sign = "+" if minutes >= 0 else "-"
+    hours, rest = divmod(abs(minutes), 60)
+    return f"UTC{sign}{hours:02d}:{rest:02d}"
+
+
+@dataclass(frozen=True, slots=True)
+class FireRow:
+    utc: str
+    local: str
+    #: Set on the first fire after the zone's offset changed (a DST shift), saying how.
+    shift: str | None
+    #: Set when the local time exists twice (the repeated hour when clocks go back).
+    repeated: bool
+
+
+def zone_name(plan: Plan) -> str:
+    return plan.rule.timezone if isinstance(plan.rule, CronRule) else "UTC"
+
+
+def _repeated(local: dt.datetime) -> bool:
+    other = local.replace(fold=1 - local.fold)
+    return other.utcoffset() != local.utcoffset()
+
+
+def upcoming_fires(plan: Plan, now_ms: int, fires: int, count: int = 10) -> list[FireRow]:
+    """The next ``count`` nominal fires in UTC and in the schedule's zone, DST shifts marked."""
+    tz = schedule.zone(zone_name(plan))
+    previous = dt.datetime.fromtimestamp(now_ms / 1000, dt.UTC).astimezone(tz).utcoffset()
+    rows = []
+    for fire_ms in schedule.upcoming(plan, now_ms, count, fires):
+        at = dt.datetime.fromtimestamp(fire_ms / 1000, dt.UTC)
+        local = at.astimezone(tz)
+        offset = local.utcoffset()
+        shift = None
+        if offset != previous:
+            shift = f"clocks changed: {offset_text(previous)} → {offset_text(offset)}"
+        previous = offset
+        rows.append(
+            FireRow(
+                utc=utc_text(at),
+                local=f"{local:%Y-%m-%d %H:%M:%S} {local.tzname()} ({offset_text(offset)})",
+                shift=shift,
+                repeated=_repeated(local),
+            )
+        )
+    return rows
+
+
+def quantile(values: Sequence[int], q: float) -> int | None:
+    """Nearest-rank quantile (q in [0, 1])."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(math.ceil(q * len(ordered)), 1)
+    return ordered[rank - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One execution on the lateness chart."""
+
+    label: str
+    lateness_ms: int
+    failed: bool
+
+
+CHART_WIDTH = 640
+CHART_HEIGHT = 160
+_PAD = 34
+
+
+def lateness_chart(points: Sequence[Point]) -> Markup:
+    """An inline SVG bar chart of lateness, oldest left; failed executions drawn in red.
+
+    Built server-side, so the page needs no script; each bar has a <title> (hover text, and
+    read out by screen readers), and every text is escaped.
+    """
+    if not points:
+        return Markup("")
+    top = max(*(p.lateness_ms for p in points), 1)
+    inner_w, inner_h = CHART_WIDTH - _PAD - 4, CHART_HEIGHT - 24
+    step = inner_w / len(points)
+    bar = max(step * 0.8, 1.0)
+    parts = [
+        f'<svg class="chart" viewBox="0 0 {CHART_WIDTH} {CHART_HEIGHT}" width="100%" '
+        f'role="img" aria-labelledby="chart-title" xmlns="http://www.w3.org/2000/svg">',
+        f'<title id="chart-title">Lateness of the last {len(points)} executions, '
+        f"oldest left, highest {top} ms</title>",
+        f'<line x1="{_PAD}" y1="{inner_h + 4}" x2="{CHART_WIDTH - 4}" y2="{inner_h + 4}" '
+        'class="axis"/>',
+        f'<text x="{_PAD - 4}" y="12" text-anchor="end" class="tick">{top} ms</text>',
+        f'<text x="{_PAD - 4}" y="{inner_h + 4}" text-anchor="end" class="tick">0</text>',
+    ]
+    for i, point in enumerate(points):
+        height = max(point.lateness_ms, 0) / top * inner_h
+        x = _PAD + i * step
+        y = inner_h + 4 - height
+        kind = "bar failed" if point.failed else "bar"
+        title = escape(f"{point.label}: {point.lateness_ms} ms late")
+        parts.append(
+            f'<rect class="{kind}" x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" '
+            f'height="{max(height, 0.5):.1f}"><title>{title}</title></rect>'
+        )
+    parts.append("</svg>")
+    return Markup("".join(parts))

@@ -1,0 +1,350 @@
+"""The console's pages: server-rendered HTML (Jinja2, autoescaped), a little CSS and script.
+
+Reading needs no script. Actions (pause, resume, trigger) are POST forms, shown and accepted
+only with ``CRONBUS_CONSOLE_ACTIONS=1``; each must carry the session's CSRF token (a cookie
+matched by a form field) and come from the same origin. They are sent as commands over AMQP
+with the console's own broker user, and name the person from the auth proxy's
+``X-Forwarded-User`` in the command's ``app_id`` (which the command audit records).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode, urlsplit
+
+import aiormq.exceptions
+import jinja2
+from aiohttp import web
+
+from cronbus.client import CommandClient
+from services.console import readmodel, views
+from services.console.readmodel import ReadModel
+from shared import compact, models, transient
+from shared.config import ConsoleSettings
+from shared.errors import CronbusError
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+CSRF_COOKIE = "cronbus_console_csrf"
+USER_HEADER = "X-Forwarded-User"
+#: The verbs the console can send, where the contract has them (backfill comes later).
+ACTION_VERBS = tuple(v for v in ("pause", "resume", "trigger", "backfill") if v in models.VERBS)
+HISTORY_ROWS = 50
+CHART_POINTS = 200
+_USER_UNSAFE = re.compile(r"[^A-Za-z0-9@._+-]")
+
+#: What sending an action may run into: shown to the user as "not sent", with the reason.
+SEND_ERRORS: tuple[type[BaseException], ...] = (
+    *transient.ERRORS,
+    aiormq.exceptions.AMQPError,
+    CronbusError,
+)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def audit_user(header: str | None) -> str:
+    """The proxy's user as the audit shows it: a bounded, plain spelling (it goes into an AMQP
+    short string and into logs)."""
+    text = _USER_UNSAFE.sub("_", (header or "").strip())[:100]
+    return text or "anonymous"
+
+
+def amqp_user_of(url: str) -> str | None:
+    return urlsplit(url).username or None
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["utc"] = views.utc_text
+    env.filters["wait"] = views.duration_text
+    env.filters["seg"] = lambda value: quote(str(value), safe="")
+    env.globals["query"] = lambda **kw: urlencode({k: v for k, v in kw.items() if v})
+    return env
+
+
+class Console:
+    def __init__(
+        self,
+        settings: ConsoleSettings,
+        model: ReadModel,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.model = model
+        self.clock = clock
+        self.env = _environment()
+        self.actions = settings.console_actions
+
+    # --- plumbing -------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024)
+        app.router.add_get("/", self.namespaces)
+        app.router.add_get("/failures", self.failures)
+        app.router.add_get("/ns/{namespace}", self.schedules)
+        app.router.add_get("/ns/{namespace}/s/{id}", self.schedule)
+        app.router.add_post("/ns/{namespace}/s/{id}/{verb}", self.act)
+        app.router.add_static("/static/", HERE / "static", show_index=False)
+        return app
+
+    def now(self) -> dt.datetime:
+        return dt.datetime.fromtimestamp(self.clock(), dt.UTC)
+
+    def render(
+        self, request: web.Request, name: str, status: int = 200, **context: Any
+    ) -> web.Response:
+        token = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(32)
+        html = self.env.get_template(name).render(
+            actions=self.actions,
+            action_verbs=ACTION_VERBS,
+            csrf=token,
+            user=request.headers.get(USER_HEADER),
+            now=self.now(),
+            **context,
+        )
+        response = web.Response(text=html, content_type="text/html", status=status)
+        response.headers["Content-Security-Policy"] = (
+            "default-src 'none'; style-src 'self'; script-src 'self'; img-src 'self' data:; "
+            "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+        )
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "same-origin"
+        response.headers["Cache-Control"] = "no-store"
+        if request.cookies.get(CSRF_COOKIE) != token:
+            response.set_cookie(
+                CSRF_COOKIE,
+                token,
+                httponly=True,
+                samesite="Strict",
+                secure=request.headers.get("X-Forwarded-Proto") == "https",
+                path="/",
+            )
+        return response
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except views.BadQuery as exc:
+            return self.render(request, "error.html", 400, title="Bad request", message=str(exc))
+        except web.HTTPNotFound:
+            return self.render(request, "error.html", 404, title="Not found", message=request.path)
+        except transient.ERRORS as exc:
+            log.warning(
+                "console read failed", extra={"action": "console_read_failed", "error": repr(exc)}
+            )
+            return self.render(
+                request,
+                "error.html",
+                503,
+                title="Unavailable",
+                message="PostgreSQL or Redis is not answering; try again shortly.",
+            )
+
+    @staticmethod
+    def _path_ids(request: web.Request) -> tuple[str, str | None]:
+        """Namespace and schedule id from the path; an impossible one is simply not found."""
+        namespace = request.match_info["namespace"]
+        schedule_id = request.match_info.get("id")
+        if not models.NAMESPACE_RE.match(namespace):
+            raise web.HTTPNotFound()
+        if schedule_id is not None and not models.SCHEDULE_ID_RE.match(schedule_id):
+            raise web.HTTPNotFound()
+        return namespace, schedule_id
+
+    def _before(self, request: web.Request) -> dt.datetime:
+        text = views.check_text("before", request.query.get("before", ""), 40)
+        if not text:
+            return self.now() + dt.timedelta(days=3650)
+        try:
+            found = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise views.BadQuery("before", "is not an RFC 3339 time") from None
+        if found.tzinfo is None:
+            raise views.BadQuery("before", "needs a time zone (Z)")
+        return found
+
+    # --- pages ----------------------------------------------------------------------------------
+
+    async def namespaces(self, request: web.Request) -> web.Response:
+        found = await self.model.namespaces(self.now())
+        return self.render(request, "namespaces.html", namespaces=found, states=readmodel.STATES)
+
+    async def schedules(self, request: web.Request) -> web.Response:
+        namespace, _ = self._path_ids(request)
+        query = request.query
+        where = readmodel.ScheduleFilter(
+            search=views.check_text("q", query.get("q", "").strip()),
+            label=views.parse_label(views.check_text("label", query.get("label", ""), 400)),
+            state=views.parse_state(query.get("state", ""), readmodel.STATES),
+            after=views.check_text("after", query.get("after", "")),
+        )
+        rows = await self.model.schedules(namespace, where)
+        more = len(rows) > self.model.page_size
+        rows = rows[: self.model.page_size]
+        return self.render(
+            request,
+            "schedules.html",
+            namespace=namespace,
+            rows=rows,
+            where=where,
+            label_text=query.get("label", ""),
+            states=readmodel.STATES,
+            next_after=rows[-1].id if more else None,
+            now_ms=int(self.clock() * 1000),
+        )
+
+    async def schedule(self, request: web.Request) -> web.Response:
+        namespace, schedule_id = self._path_ids(request)
+        assert schedule_id is not None
+        found = await self.model.schedule(namespace, schedule_id)
+        if found is None or found.state == "deleted":
+            raise web.HTTPNotFound()
+        before = self._before(request)
+        history = await self.model.executions(namespace, schedule_id, before, CHART_POINTS)
+        now_ms = int(self.clock() * 1000)
+        plan = compact.decode(found.compact)
+        # From the checkpoint's next fire when it lies ahead (as ``get`` shows), else from now.
+        checkpoint = (
+            None if found.next_fire_at is None else int(found.next_fire_at.timestamp() * 1000)
+        )
+        start_ms = checkpoint if checkpoint is not None and checkpoint >= now_ms else now_ms
+        fires = views.upcoming_fires(plan, start_ms, found.fires) if found.state == "active" else []
+        lateness = [e.lateness_ms for e in history]
+        chart = views.lateness_chart(
+            [
+                views.Point(views.utc_text(e.nominal_at), e.lateness_ms, e.failed)
+                for e in reversed(history)
+            ]
+        )
+        shown = history[:HISTORY_ROWS]
+        return self.render(
+            request,
+            "schedule.html",
+            s=found,
+            zone=views.zone_name(plan),
+            fires=fires,
+            history=shown,
+            older=views.utc_text(shown[-1].nominal_at).replace(" ", "T")
+            if len(history) > HISTORY_ROWS
+            else None,
+            chart=chart,
+            summary={
+                "count": len(history),
+                "failed": sum(1 for e in history if e.failed),
+                "p50": views.quantile(lateness, 0.5),
+                "p99": views.quantile(lateness, 0.99),
+            },
+            commands=await self.model.commands(namespace, schedule_id, 10),
+            definition=_pretty(found.definition),
+            message=_signed_message(request),
+            now_ms=now_ms,
+        )
+
+    async def failures(self, request: web.Request) -> web.Response:
+        rows = await self.model.failures(self._before(request))
+        more = len(rows) > self.model.page_size
+        rows = rows[: self.model.page_size]
+        return self.render(
+            request,
+            "failures.html",
+            rows=rows,
+            older=rows[-1].finished_at.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
+            if more
+            else None,
+        )
+
+    # --- actions --------------------------------------------------------------------------------
+
+    def _check_csrf(self, request: web.Request, form: dict[str, str]) -> None:
+        cookie = request.cookies.get(CSRF_COOKIE, "")
+        sent = form.get("csrf", "")
+        if not cookie or not hmac.compare_digest(cookie.encode(), sent.encode()):
+            raise web.HTTPForbidden(text="missing or stale form token: reload the page")
+        site = request.headers.get("Sec-Fetch-Site")
+        if site is not None and site not in ("same-origin", "none"):
+            raise web.HTTPForbidden(text="cross-site request refused")
+        origin = request.headers.get("Origin")
+        if origin is not None and urlsplit(origin).netloc != request.host:
+            raise web.HTTPForbidden(text="cross-origin request refused")
+
+    async def act(self, request: web.Request) -> web.StreamResponse:
+        if not self.actions:
+            raise web.HTTPNotFound()
+        namespace, schedule_id = self._path_ids(request)
+        assert schedule_id is not None
+        verb = request.match_info["verb"]
+        if verb not in ACTION_VERBS:
+            raise web.HTTPNotFound()
+        form = {k: str(v) for k, v in (await request.post()).items()}
+        self._check_csrf(request, form)
+        body: dict[str, Any] = {"id": schedule_id}
+        if verb == "backfill":
+            body.update({"from": form.get("from", ""), "to": form.get("to", "")})
+        user = audit_user(request.headers.get(USER_HEADER))
+        message = await self._send(namespace, verb, body, user)
+        target = f"/ns/{quote(namespace, safe='')}/s/{quote(schedule_id, safe='')}"
+        signature = _sign(request.cookies.get(CSRF_COOKIE, ""), message)
+        raise web.HTTPSeeOther(f"{target}?{urlencode({'message': message, 'sig': signature})}")
+
+    async def _send(self, namespace: str, verb: str, body: dict[str, Any], user: str) -> str:
+        url = self.settings.actions_amqp_url()
+        log.info(
+            "console action",
+            extra={"action": "console_action", "verb": verb, "namespace": namespace, "user": user},
+        )
+        try:
+            async with CommandClient(url, app_id="cronbus-console") as client:
+                reply = await client.send(
+                    namespace,
+                    verb,
+                    body,
+                    timeout_s=10,
+                    app_id=f"cronbus-console:{user}",
+                    user_id=amqp_user_of(url),
+                    headers={"x-cronbus-on-behalf-of": user},
+                )
+        except SEND_ERRORS as exc:
+            return f"{verb} not sent: {exc!r}"
+        if reply.get("ok"):
+            return f"{verb}: done"
+        error = reply.get("error") or {}
+        return f"{verb} refused: {error.get('code')}: {error.get('message')}"
+
+
+def _sign(token: str, message: str) -> str:
+    return hmac.new(token.encode(), message.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def _signed_message(request: web.Request) -> str:
+    """The outcome of this session's own action; a crafted link's text is not shown."""
+    message = request.query.get("message", "")
+    token = request.cookies.get(CSRF_COOKIE, "")
+    if not message or not token:
+        return ""
+    if not hmac.compare_digest(_sign(token, message), request.query.get("sig", "")):
+        return ""
+    return message[:500]
+
+
+def _pretty(value: Any) -> str:
+    import json  # noqa: PLC0415 - only the definition view needs indentation
+
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)

@@ -1,0 +1,136 @@
+"""The console in a real browser (Debian's chromium, driven by selenium) against the services.
+
+A person opens the console, finds a schedule, pauses it and sees the state change, then
+triggers it and sees the execution appear; the command audit names them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+
+from cronbus.client import CommandClient
+from cronbus.sink import Sink
+from tests.support import services
+from tests.support.stack import Stack
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+HEADLESS_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,1000",
+)
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[WebDriver]:
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        pytest.fail(
+            "chromium and chromedriver are needed: apt-get install -y chromium chromium-driver"
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in HEADLESS_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    driver.set_page_load_timeout(20)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+async def _eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(check):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not seen within {timeout_s:g}s: {what}")
+        await asyncio.sleep(0.5)
+
+
+async def test_find_pause_and_trigger_a_schedule_in_the_browser(
+    stack: Stack, client: CommandClient, sink: Sink, browser: WebDriver
+) -> None:
+    await stack.start_all()
+    port = services.free_port()
+    console = stack.start("console", CRONBUS_CONSOLE_PORT=str(port), CRONBUS_CONSOLE_ACTIONS="1")
+    await stack.wait_ready(console)
+    for schedule_id in ("nightly-report", "invoice-reminder", "invoice-archive"):
+        reply = await client.send(
+            "billing",
+            "upsert",
+            {
+                "schedule": {
+                    "id": schedule_id,
+                    "spec": {"kind": "interval", "every_s": 3600},
+                    "target": {"kind": "webhook", "url": f"{sink.url}/{schedule_id}"},
+                    "labels": {"team": "billing"},
+                }
+            },
+        )
+        assert reply["ok"], reply
+    # The auth proxy's header, as oauth2-proxy would set it in front of the console.
+    browser.execute_cdp_cmd("Network.enable", {})
+    browser.execute_cdp_cmd(
+        "Network.setExtraHTTPHeaders", {"headers": {"X-Forwarded-User": "alice"}}
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    # Find it: namespaces -> billing -> search by id -> the schedule.
+    await asyncio.to_thread(browser.get, base + "/")
+    assert "Namespaces" in browser.find_element(By.TAG_NAME, "h1").text
+    browser.find_element(By.LINK_TEXT, "billing").click()
+    search = browser.find_element(By.NAME, "q")
+    search.send_keys("invoice-r")
+    search.submit()
+    links = browser.find_elements(By.CSS_SELECTOR, "tbody th a")
+    assert [a.text for a in links] == ["invoice-reminder"]
+    links[0].click()
+    assert browser.find_element(By.ID, "state").text == "active"
+    assert "Alice" in browser.page_source or "alice" in browser.page_source
+
+    # Pause: the page comes back with the new state (the confirm dialog is answered yes).
+    browser.execute_script("window.confirm = () => true;")
+    browser.find_element(By.CSS_SELECTOR, "button[value=pause]").click()
+    assert browser.find_element(By.CSS_SELECTOR, "p.notice").text == "pause: done"
+    assert browser.find_element(By.ID, "state").text == "paused"
+    assert not browser.find_elements(By.CSS_SELECTOR, "button[value=pause]")
+
+    # Trigger: one extra run now; its execution appears in the history.
+    browser.execute_script("window.confirm = () => true;")
+    browser.find_element(By.CSS_SELECTOR, "button[value=trigger]").click()
+    assert browser.find_element(By.CSS_SELECTOR, "p.notice").text == "trigger: done"
+    assert await sink.wait_for(
+        lambda s: any(r.schedule == "billing/invoice-reminder" for r in s.received), 20
+    )
+
+    def execution_shown() -> bool:
+        browser.refresh()
+        rows = browser.find_elements(By.CSS_SELECTOR, "#executions tbody tr")
+        return any("trigger" in row.text and "succeeded" in row.text for row in rows)
+
+    await _eventually(execution_shown, 20, "the triggered execution in the history")
+
+    # The audit names the broker user and the person behind the proxy.
+    audit = browser.find_element(By.CSS_SELECTOR, "section[aria-labelledby=audit-h]").text
+    assert "cronbus-console:alice" in audit
+    assert "pause" in audit
+    assert "trigger" in audit

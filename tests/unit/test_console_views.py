@@ -1,0 +1,115 @@
+"""The console's pure parts: id-prefix ranges, filters, upcoming fires with DST marks, the chart."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.console import views, web
+from shared import models, plan, timefmt
+
+ids = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=8)
+
+
+@given(prefix=ids.filter(lambda p: bool(p.rstrip(views.TOP))), other=ids)
+def test_prefix_bounds_hold_exactly_the_strings_with_the_prefix(prefix: str, other: str) -> None:
+    low, high = views.prefix_bounds(prefix)
+
+    def inside(text: str) -> bool:  # code point order is UTF-8 byte order (COLLATE "C")
+        return low <= text < high
+
+    assert inside(prefix + other)
+    assert inside(other) == other.startswith(prefix)
+
+
+def test_prefix_bounds_skip_surrogates_and_open_at_the_top() -> None:
+    assert views.prefix_bounds("a\ud7ff") == ("a\ud7ff", "a\ue000")
+    assert views.prefix_bounds("") == ("", views.TOP)
+    assert views.prefix_bounds("x\U0010ffff") == ("x\U0010ffff", "y")
+    assert views.prefix_bounds("\U0010ffff")[1] == views.TOP
+
+
+def test_label_and_state_filters_name_the_field_when_wrong() -> None:
+    assert views.parse_label(" team = billing ") == ("team", "billing")
+    assert views.parse_label("") is None
+    with pytest.raises(views.BadQuery, match="label: must be key=value"):
+        views.parse_label("team")
+    with pytest.raises(views.BadQuery, match="state: must be one of"):
+        views.parse_state("deleted", ("active", "paused"))
+    with pytest.raises(views.BadQuery, match="q: contains a NUL"):
+        views.check_text("q", "a\x00b")
+
+
+def _plan(spec: dict[str, object]) -> plan.Plan:
+    item = models.Schedule.model_validate(
+        {"id": "x", "spec": spec, "target": {"kind": "webhook", "url": "http://a.example/"}}
+    )
+    return plan.plan_of(item, 1)
+
+
+def test_next_fires_show_the_spring_forward_shift_in_utc_and_local_time() -> None:
+    berlin = _plan({"kind": "cron", "expr": "30 2 * * *", "timezone": "Europe/Berlin"})
+    now = timefmt.parse_rfc3339_ms("2027-03-26T12:00:00Z")
+    rows = views.upcoming_fires(berlin, now, fires=0, count=4)
+    assert [r.utc for r in rows] == [
+        "2027-03-27 01:30:00Z",
+        "2027-03-28 01:30:00Z",  # 02:30 does not exist that night: 03:30 CEST
+        "2027-03-29 00:30:00Z",
+        "2027-03-30 00:30:00Z",
+    ]
+    assert rows[1].local.startswith("2027-03-28 03:30:00 CEST")
+    assert rows[1].shift == "clocks changed: UTC+01:00 → UTC+02:00"
+    assert [r.shift is not None for r in rows] == [False, True, False, False]
+
+
+def test_next_fires_mark_the_repeated_hour_when_clocks_go_back() -> None:
+    hourly = _plan({"kind": "cron", "expr": "0 * * * *", "timezone": "Europe/Berlin"})
+    now = timefmt.parse_rfc3339_ms("2027-10-30T23:30:00Z")  # 01:30 CEST
+    rows = views.upcoming_fires(hourly, now, fires=0, count=3)
+    assert [r.local[:19] for r in rows] == [
+        "2027-10-31 02:00:00",
+        "2027-10-31 02:00:00",
+        "2027-10-31 03:00:00",
+    ]
+    assert [r.repeated for r in rows] == [True, True, False]
+    assert rows[1].shift == "clocks changed: UTC+02:00 → UTC+01:00"
+
+
+def test_interval_schedules_are_shown_in_utc() -> None:
+    rows = views.upcoming_fires(_plan({"kind": "interval", "every_s": 60}), 1, fires=0, count=2)
+    assert [r.utc for r in rows] == ["1970-01-01 00:01:00Z", "1970-01-01 00:02:00Z"]
+    assert rows[0].local.endswith("UTC (UTC+00:00)")
+
+
+def test_the_chart_escapes_its_labels_and_marks_failures() -> None:
+    svg = views.lateness_chart(
+        [views.Point("<script>alert(1)</script>", 120, False), views.Point("b", 30, True)]
+    )
+    assert "<script>" not in svg
+    assert "&lt;script&gt;" in svg
+    assert svg.count('class="bar failed"') == 1
+    assert "highest 120 ms" in svg
+    assert views.lateness_chart([]) == ""
+
+
+def test_quantiles_are_nearest_rank() -> None:
+    assert views.quantile([5, 1, 3, 2, 4], 0.5) == 3
+    assert views.quantile(list(range(1, 101)), 0.99) == 99
+    assert views.quantile([], 0.5) is None
+
+
+def test_the_audited_user_is_a_plain_bounded_spelling() -> None:
+    assert web.audit_user("alice@example.com") == "alice@example.com"
+    assert web.audit_user(None) == "anonymous"
+    assert web.audit_user("eve\r\nX-Injected: 1<b>") == "eve__X-Injected__1_b_"
+    assert len(web.audit_user("a" * 1000)) == 100
+
+
+def test_waits_read_like_a_person_says_them() -> None:
+    assert views.duration_text(850) == "850 ms"
+    assert views.duration_text(42_000) == "42 s"
+    assert views.duration_text(425_000) == "7 min 5 s"
+    assert views.duration_text(465_156_700) == "5 d 9 h"
+    assert views.duration_text(3_600_000) == "1 h"
+    assert views.duration_text(-5) == "0 ms"
