@@ -1,4 +1,4 @@
-"""``cronbus bench herd | steady``: the real services against a local HTTP sink, measured.
+"""``cronbus bench herd | steady | rebuild | intake``: the real services, measured.
 
 Each run gets its own corner: a Redis key prefix, a RabbitMQ vhost (made with rabbitmqctl when
 it is on this machine) and a PostgreSQL database, all removed afterwards. Schedules are loaded
@@ -487,7 +487,10 @@ def add_parser(sub: Any) -> None:
     rebuild.add_argument("--timeout-s", type=float, default=600)
     rebuild.set_defaults(handler=run_rebuild)
     console_bench.add_parser(kinds)
-    for kind in (herd, steady, rebuild):
+    from cronbus import bench_intake  # noqa: PLC0415 - it builds on this module
+
+    intake = bench_intake.add_kind(kinds)
+    for kind in (herd, steady, rebuild, intake):
         kind.add_argument("--json", action="store_true", help="one JSON line of figures")
         kind.add_argument(
             "--executors",

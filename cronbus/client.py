@@ -1,7 +1,8 @@
 """Publishing commands and waiting for their replies (the CLI, tests and benchmarks use it).
 
 A user can do the same with plain aio-pika: publish JSON to exchange ``cronbus.commands`` with
-routing key ``<namespace>.<verb>``, ``reply_to`` and ``correlation_id``.
+routing key ``<namespace>.<verb>``, ``reply_to`` (a server-named queue, or direct reply-to) and
+``correlation_id``.
 """
 
 from __future__ import annotations
@@ -10,17 +11,31 @@ import asyncio
 import uuid
 from types import TracebackType
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
+import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
 from shared import codec, keys
+
+#: What the broker raises when a user's permissions do not allow an operation: a publish to
+#: another tenant's namespace closes the channel with this.
+ACCESS_REFUSED = (aiormq.exceptions.ChannelAccessRefused,)
+
+
+def user_of(url: str) -> str | None:
+    """The user named in an AMQP URL: sent as ``user_id``, which the broker checks against the
+    connection's user, so the audit records who sent a command, not who it claims to be."""
+    username = urlsplit(url).username
+    return unquote(username) if username else None
 
 
 class CommandClient:
     def __init__(self, url: str, *, app_id: str = "cronbus-cli") -> None:
         self.url = url
         self.app_id = app_id
+        self.user_id = user_of(url)
         self._connection: aio_pika.abc.AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._replies: AbstractQueue | None = None
@@ -70,6 +85,7 @@ class CommandClient:
                 reply_to=self._replies.name if reply else None,
                 message_id=message_id or uuid.uuid4().hex,
                 app_id=self.app_id,
+                user_id=self.user_id,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),
             routing_key=keys.command_routing_key(namespace, verb),
@@ -109,7 +125,7 @@ class CommandClient:
                 reply_to=self._replies.name,
                 message_id=message_id or uuid.uuid4().hex,
                 app_id=app_id or self.app_id,
-                user_id=user_id,
+                user_id=user_id or self.user_id,
                 headers=dict(headers) if headers else None,
             ),
             routing_key=keys.command_routing_key(namespace, verb),

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from cronbus import client as client_module
 from cronbus.client import CommandClient
 from cronbus.common import CliError, amqp_url, database_url
-from shared import codec, timefmt, transient
+from shared import codec, models, timefmt, transient
 
 
 def load_schedules(path: str) -> list[dict[str, Any]]:
@@ -79,14 +81,84 @@ async def _send_all(args: argparse.Namespace, verb: str, bodies: list[dict[str, 
                 if not reply.get("ok"):
                     failures += 1
                     print(f"cronbus {args.command}: {_error_line(reply)}", file=sys.stderr)
+    except client_module.ACCESS_REFUSED as exc:
+        raise CliError(_refused_line(args, verb, exc)) from None
     except transient.ERRORS as exc:
         raise CliError(f"cannot reach RabbitMQ: {exc}") from None
     return 1 if failures else 0
 
 
+def _refused_line(args: argparse.Namespace, verb: str, exc: BaseException) -> str:
+    user = client_module.user_of(amqp_url()) or "this user"
+    reason = " ".join(str(part) for part in getattr(exc, "args", ()) if part).strip()
+    return (
+        f"RabbitMQ refused access (ACCESS_REFUSED): {user} may not send {verb} commands "
+        f"to namespace {args.namespace!r} ({reason or exc!r})"
+    )
+
+
+#: An upsert_many command stays well inside the default CRONBUS_MAX_COMMAND_BYTES.
+APPLY_CHUNK_BYTES = 200_000
+
+
 def run_apply(args: argparse.Namespace) -> int:
-    bodies = [{"schedule": item} for item in load_schedules(args.file)]
-    return asyncio.run(_send_all(args, "upsert", bodies))
+    schedules = load_schedules(args.file)
+    if len(schedules) == 1:
+        return asyncio.run(_send_all(args, "upsert", [{"schedule": schedules[0]}]))
+    return asyncio.run(_send_many(args, list(chunks(schedules))))
+
+
+def chunks(schedules: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """upsert_many bodies: at most 1000 schedules and about APPLY_CHUNK_BYTES each."""
+    chunk: list[dict[str, Any]] = []
+    size = 0
+    for item in schedules:
+        item_size = len(codec.dumps(item)) + 1
+        if chunk and (len(chunk) >= models.MAX_UPSERT_MANY or size + item_size > APPLY_CHUNK_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += item_size
+    if chunk:
+        yield chunk
+
+
+async def _send_many(args: argparse.Namespace, batches: list[list[dict[str, Any]]]) -> int:
+    """Print one result per schedule (id, ok, version or error), in file order."""
+    failures = 0
+    try:
+        async with CommandClient(amqp_url(), app_id="cronbus-cli") as client:
+            for schedules in batches:
+                try:
+                    reply = await client.send(
+                        args.namespace,
+                        "upsert_many",
+                        {"schedules": schedules},
+                        timeout_s=args.timeout,
+                    )
+                except TimeoutError:
+                    raise CliError(
+                        f"no reply within {args.timeout:g}s: is a dispatcher "
+                        "running against this RabbitMQ?"
+                    ) from None
+                if not reply.get("ok"):
+                    _print(reply)
+                    print(f"cronbus {args.command}: {_error_line(reply)}", file=sys.stderr)
+                    failures += 1
+                    continue
+                for result in reply["results"]:
+                    _print(result)
+                    if not result.get("ok"):
+                        failures += 1
+                        print(
+                            f"cronbus {args.command}: {result.get('id')}: {_error_line(result)}",
+                            file=sys.stderr,
+                        )
+    except client_module.ACCESS_REFUSED as exc:
+        raise CliError(_refused_line(args, "upsert_many", exc)) from None
+    except transient.ERRORS as exc:
+        raise CliError(f"cannot reach RabbitMQ: {exc}") from None
+    return 1 if failures else 0
 
 
 def run_by_id(args: argparse.Namespace) -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import aio_pika
+import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
 
 from shared import keys
@@ -15,6 +17,9 @@ log = logging.getLogger(__name__)
 #: A delivery message redelivered more often than this is poison: it goes to the DLQ, where
 #: the executors settle its occurrences as dead (see ``Executor.settle_dead_letter``).
 DELIVERY_LIMIT = 20
+#: A command delivered this often without being answered (its consumer died each time) goes to
+#: the commands' dead-letter queue instead of being tried again.
+COMMAND_DELIVERY_LIMIT = 5
 DELIVERIES_ROUTING_KEY = "deliver"
 #: How soon a lost connection is tried again (aio-pika's default is 5 s).
 RECONNECT_INTERVAL_S = 1.0
@@ -63,8 +68,37 @@ async def commands_queue_of(channel: AbstractChannel) -> AbstractQueue:
     return await channel.declare_queue(
         keys.COMMANDS_QUEUE,
         durable=True,
-        arguments=keys.quorum_queue_arguments(keys.COMMANDS_QUEUE),
+        arguments=await _commands_queue_arguments(channel),
     )
+
+
+async def _commands_queue_arguments(channel: AbstractChannel) -> dict[str, Any]:
+    """The commands queue's arguments: with a delivery limit, unless the queue already exists
+    without one.
+
+    A queue's arguments cannot change once declared (the broker answers PRECONDITION_FAILED),
+    so an install from before the limit keeps its queue as it is, and the operator adds the
+    limit with a policy (README, "Upgrading"). The intake enforces the same limit itself from
+    the ``x-delivery-count`` header either way. The probe runs on a channel of its own, since
+    the refusal closes the channel it happens on.
+    """
+    limited = keys.quorum_queue_arguments(
+        keys.COMMANDS_QUEUE, delivery_limit=COMMAND_DELIVERY_LIMIT
+    )
+    underlay = await channel.get_underlay_channel()
+    probe = await underlay.connection.channel()
+    try:
+        await probe.queue_declare(keys.COMMANDS_QUEUE, durable=True, arguments=limited)
+    except aiormq.exceptions.ChannelPreconditionFailed:
+        log.warning(
+            "the commands queue has no delivery limit; add one with a policy (README, Upgrading)",
+            extra={"action": "commands_queue_without_limit"},
+        )
+        return keys.quorum_queue_arguments(keys.COMMANDS_QUEUE)
+    finally:
+        if not probe.is_closed:
+            await probe.close()
+    return limited
 
 
 async def deliveries_queue_of(channel: AbstractChannel) -> AbstractQueue:
@@ -84,13 +118,19 @@ async def dead_deliveries_queue_of(channel: AbstractChannel) -> AbstractQueue:
     )
 
 
+#: Longest wait for a robust channel to be connected again before asking it something.
+RECONNECT_WAIT_S = 2.0
+
+
 async def ready_messages(channel: AbstractChannel, queue: str) -> int:
     """Messages waiting (ready, not yet delivered to a consumer) in a queue.
 
     Asked on the underlying channel: a passive declare on a robust channel would be recorded
-    and replayed at every reconnect, one more each time it is asked.
+    and replayed at every reconnect, one more each time it is asked. While the broker is away
+    the robust channel waits for the reconnect without end: TimeoutError after
+    RECONNECT_WAIT_S lets the caller see the outage (and a stopping service stop).
     """
-    underlay = await channel.get_underlay_channel()
+    underlay = await asyncio.wait_for(channel.get_underlay_channel(), RECONNECT_WAIT_S)
     declared = await underlay.queue_declare(queue, passive=True)
     return int(declared.message_count or 0)
 

@@ -72,3 +72,48 @@ class Batcher(Generic[Item, Result]):
         self._start_flush()
         with contextlib.suppress(Exception):
             await asyncio.gather(*self._running, return_exceptions=True)
+
+
+class GroupCommit(Generic[Item, Result]):
+    """Items submitted while a commit is under way share the next one.
+
+    Unlike ``Batcher`` nothing waits for a timer: under light load an item is committed at once,
+    alone; under heavy load each commit takes everything that came meanwhile (up to
+    ``max_items``), so commits grow exactly as much as the load needs. ``workers`` commits run
+    at once, so one is being prepared while another waits for its round trips.
+    """
+
+    def __init__(
+        self, flush: Flush[Item, Result], *, max_items: int, workers: int, name: str
+    ) -> None:
+        self._flush = flush
+        self._max_items = max_items
+        self._workers = workers
+        self._name = name
+        self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
+        self._running: set[asyncio.Task[None]] = set()
+
+    async def submit(self, item: Item) -> Result:
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future))
+        if len(self._running) < self._workers:
+            task = asyncio.create_task(self._work(), name=f"{self._name}-{len(self._running)}")
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+        return await future
+
+    async def _work(self) -> None:
+        await asyncio.sleep(0)  # the items that arrived in this same turn join the first commit
+        while self._pending:
+            taken = self._pending[: self._max_items]
+            del self._pending[: self._max_items]
+            try:
+                results = await self._flush([item for item, _ in taken])
+            except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
+                for _, future in taken:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), result in zip(taken, results, strict=True):
+                if not future.done():
+                    future.set_result(result)

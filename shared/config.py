@@ -98,7 +98,13 @@ class DispatcherSettings(WebhookPolicySettings):
     #: shards and a dead one's are taken over after this long (0: claim from every shard).
     shard_lease_s: float = Field(default=5, ge=0, le=300)
     #: Unacknowledged commands the intake works on at once.
-    commands_prefetch: int = Field(default=32, ge=1, le=10_000)
+    commands_prefetch: int = Field(default=512, ge=1, le=10_000)
+    #: Most upserts written in one PostgreSQL transaction (group commit).
+    commands_batch: int = Field(default=500, ge=1, le=10_000)
+    #: Group commits under way at once (each holds a PostgreSQL connection).
+    commands_commit_workers: int = Field(default=2, ge=1, le=32)
+    #: Largest command body accepted; a larger one is refused with code too_large.
+    max_command_bytes: int = Field(default=262_144, ge=1024, le=64 * 1024 * 1024)
     #: Comma-separated exchange globs AMQP targets may publish to.
     amqp_allowed_exchanges: str = "*"
     #: Largest JSON body a target may carry.

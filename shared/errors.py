@@ -32,6 +32,18 @@ class StaleWriteError(LuaScriptError):
     """The index already holds a newer version of the schedule."""
 
 
+class DependencyRefused(CronbusError):
+    """A dependency refused the connection for a reason retrying cannot fix.
+
+    ``setting`` is the CRONBUS_* variable to change; ``reason`` says what the server answered.
+    """
+
+    def __init__(self, setting: str, reason: str) -> None:
+        self.setting = setting
+        self.reason = reason
+        super().__init__(f"{setting}: {reason}")
+
+
 class ValidationFailed(CronbusError):
     """The input is not valid.
 

@@ -43,6 +43,15 @@ COMMANDS = Counter(
 DEAD_LETTERED = Counter(
     "cronbus_dead_lettered_total", "Messages sent to a dead-letter queue.", ["queue"]
 )
+COMMAND_BATCH = Histogram(
+    "cronbus_command_batch_size",
+    "Upserts written per group commit (one PostgreSQL transaction).",
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+)
+REPLY_TO_REFUSED = Counter(
+    "cronbus_reply_to_refused_total",
+    "Commands refused unanswered: reply_to was not direct reply-to or a server-named queue.",
+)
 
 # --- executor -----------------------------------------------------------------------------
 DELIVERED = Counter(
@@ -133,6 +142,8 @@ OWNERS: dict[str, tuple[object, ...]] = {
         SHARDS_OWNED,
         COMMANDS,
         DEAD_LETTERED,
+        REPLY_TO_REFUSED,
+        COMMAND_BATCH,
         DEPENDENCY_UP,
     ),
     "executor": (

@@ -7,10 +7,12 @@ not allowed) live in ``shared.validation``.
 
 from __future__ import annotations
 
+import functools
 import re
 import zoneinfo
 from datetime import datetime
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -26,12 +28,16 @@ from pydantic import (
 
 from shared import cron, netpolicy, timefmt
 
-NAMESPACE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-SCHEDULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$")
-LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+# \Z, not $: "$" also matches before a trailing newline, which would let "acme\n" through.
+NAMESPACE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}\Z")
+SCHEDULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}\Z")
+LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}\Z")
 HTTP_URL_RE = re.compile(r"^https?://[^/\s?#]+")
 URL_CREDENTIALS_RE = re.compile(r"^https?://[^/]*@")
-HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
+HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}\Z")
+#: C0 controls and DEL; a header value may hold a tab (HTTP allows it), nothing else of these.
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+HEADER_VALUE_CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 #: A secret's name is one file name under CRONBUS_SECRETS_DIR/<namespace>/: no separators, no
 #: "." or "..", nothing hidden.
 SECRET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z", re.ASCII)
@@ -45,7 +51,12 @@ MAX_LABELS = 64
 MAX_LABEL_VALUE = 256
 MAX_HEADERS = 64
 MAX_HEADER_VALUE = 4096
-VERBS = ("upsert", "delete", "pause", "resume", "trigger", "get", "list")
+VERBS = ("upsert", "delete", "pause", "resume", "trigger", "get", "list", "upsert_many")
+#: Most schedules one upsert_many command carries.
+MAX_UPSERT_MANY = 1000
+#: The instants a schedule may name: the Unix epoch up to the end of year 9999 (UTC).
+EARLIEST_INSTANT = "1970-01-01T00:00:00Z"
+LATEST_INSTANT = "9999-12-31T23:59:59.999Z"
 
 
 def _parse_instant(value: object) -> datetime:
@@ -55,7 +66,10 @@ def _parse_instant(value: object) -> datetime:
         return value
     if not isinstance(value, str):
         raise ValueError("must be an RFC 3339 time string, like 2027-01-01T09:00:00Z")
-    return timefmt.ms_to_datetime(timefmt.parse_rfc3339_ms(value))
+    ms = timefmt.parse_rfc3339_ms(value)
+    if not timefmt.MIN_MS <= ms <= timefmt.MAX_MS:
+        raise ValueError(f"must be between {EARLIEST_INSTANT} and {LATEST_INSTANT}")
+    return timefmt.ms_to_datetime(ms)
 
 
 def _format_instant(value: datetime) -> str:
@@ -143,9 +157,10 @@ def _check_headers(headers: dict[str, str]) -> dict[str, str]:
         lowered = name.lower()
         if lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_HEADER_PREFIX):
             raise ValueError(f"{name!r} is set by cronbus and may not be overridden")
-        if "\r" in value or "\n" in value or len(value) > MAX_HEADER_VALUE:
+        if HEADER_VALUE_CONTROL_RE.search(value) or len(value) > MAX_HEADER_VALUE:
             raise ValueError(
-                f"value of {name!r} must be one line of at most {MAX_HEADER_VALUE} characters"
+                f"value of {name!r} must be one line of at most {MAX_HEADER_VALUE} characters "
+                "without control characters"
             )
     return headers
 
@@ -171,8 +186,9 @@ class WebhookTarget(Strict):
             raise ValueError("must be an absolute http:// or https:// URL")
         if URL_CREDENTIALS_RE.match(value):
             raise ValueError("must not carry credentials; put them in headers")
-        if any(ch.isspace() for ch in value):
-            raise ValueError("must not contain whitespace")
+        if any(ch.isspace() for ch in value) or CONTROL_RE.search(value):
+            raise ValueError("must not contain whitespace or control characters")
+        check_url_authority(value)
         problem = netpolicy.url_problem(value)
         if problem is not None:
             raise ValueError(problem)
@@ -222,6 +238,13 @@ class AmqpTarget(Strict):
     body: JsonValue = None
     #: How long to wait for the broker's publisher confirm.
     timeout_s: float = Field(default=10, gt=0, le=300)
+
+    @field_validator("exchange", "routing_key")
+    @classmethod
+    def _name_is_printable(cls, value: str) -> str:
+        if CONTROL_RE.search(value):
+            raise ValueError("must not contain control characters")
+        return value
 
     @field_validator("headers")
     @classmethod
@@ -367,14 +390,37 @@ def check_labels(value: dict[str, str]) -> dict[str, str]:
             raise ValueError(f"label key {key!r} must be 1-63 letters, digits or . _ / -")
         if len(item) > MAX_LABEL_VALUE:
             raise ValueError(f"label {key!r} is longer than {MAX_LABEL_VALUE} characters")
+        if CONTROL_RE.search(item):
+            raise ValueError(f"label {key!r} must not contain control characters")
     return value
 
 
+def check_url_authority(url: str) -> None:
+    """ValueError unless the URL's host and port parse: a closed ``[...]``, a port 1-65535."""
+    try:
+        port = urlsplit(url).port
+    except ValueError as exc:
+        raise ValueError(f"has a malformed host or port ({exc})") from None
+    if port == 0:
+        raise ValueError("port must be between 1 and 65535")
+
+
+@functools.cache
+def _zone_names() -> frozenset[str]:
+    return frozenset(zoneinfo.available_timezones()) | {"UTC"}
+
+
 def load_zone(name: str) -> zoneinfo.ZoneInfo:
-    """The IANA zone called ``name``; ValueError naming it when there is none."""
+    """The IANA zone called ``name``; ValueError naming it when there is none.
+
+    Only names tzdata lists are zones: ``America`` is a directory of tzdata, and opening it
+    raises an OSError that would pass for an outage.
+    """
+    if name not in _zone_names():
+        raise ValueError(f"unknown time zone {name!r}")
     try:
         return zoneinfo.ZoneInfo(name)
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
         raise ValueError(f"unknown time zone {name!r}") from None
 
 
@@ -413,6 +459,13 @@ class ListCommand(Strict):
         return check_labels(value)
 
 
+class UpsertManyCommand(Strict):
+    """Many upserts in one command; each schedule is validated (and refused) on its own, so the
+    list holds them unvalidated here."""
+
+    schedules: list[JsonValue] = Field(min_length=1, max_length=MAX_UPSERT_MANY)
+
+
 COMMAND_MODELS: dict[str, type[Strict]] = {
     "upsert": UpsertCommand,
     "delete": IdCommand,
@@ -421,4 +474,5 @@ COMMAND_MODELS: dict[str, type[Strict]] = {
     "trigger": IdCommand,
     "get": IdCommand,
     "list": ListCommand,
+    "upsert_many": UpsertManyCommand,
 }

@@ -17,7 +17,7 @@ import uuid
 import zoneinfo
 from datetime import UTC, tzinfo
 
-from shared import cron
+from shared import cron, timefmt
 from shared.plan import AfterCompletionRule, CronRule, IntervalRule, OnceRule, Plan
 
 #: The namespace of the UUIDv5 idempotency keys (a fixed, arbitrary UUID: never change it).
@@ -32,6 +32,9 @@ def zone(name: str) -> tzinfo:
 
 def _within_end(plan: Plan, nominal: int | None) -> int | None:
     if nominal is None or (plan.end_ms is not None and nominal > plan.end_ms):
+        return None
+    if nominal > timefmt.MAX_MS:
+        # Past the year 9999 nothing can be formatted or stored: the rotation ends there.
         return None
     return nominal
 

@@ -3,6 +3,11 @@
 A service runs until SIGTERM (or SIGINT), then stops taking new work, finishes or hands back
 what it holds within ``shutdown_grace_s``, and exits. If one of its named tasks dies, the
 service stops and exits non-zero so that its supervisor (Kubernetes) restarts it.
+
+The grace period is a bound, whatever is unreachable: once it is nearly spent the work still
+under way (a reconnect, a retried write, a pool refill) is cancelled, and what the service
+could not hand back is left to the leases and the sweeper, as after a crash. The last log
+line says what was left behind. A watchdog thread ends the process if even that hangs.
 """
 
 from __future__ import annotations
@@ -10,25 +15,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import prometheus_client
 import pydantic
 from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 
-from shared import amqp, codec, db, index, keys, logs, metrics, transient
+from shared import amqp, codec, db, errors, index, keys, logs, metrics, transient
 from shared.config import CommonSettings
 from shared.store import Store
 
 log = logging.getLogger(__name__)
 
 Check = Callable[[], Awaitable[object]]
+#: How a stopping service's work ended: by itself, cancelled, or hanging on even then.
+Ending = Literal["finished", "cut_off", "hung"]
 SettingsT = TypeVar("SettingsT", bound=CommonSettings)
+
+#: Of the grace period, the part kept back to cancel what is still under way and close the
+#: connections (at most half of the period).
+CUT_OFF_RESERVE_S = 1.0
+#: Of the grace period, the part kept for handing back (leases released, last writes) after
+#: the work under way had its share.
+HAND_BACK_RESERVE_S = 2.0
+#: How long after the grace period the watchdog ends a process whose shutdown hangs anyway.
+WATCHDOG_MARGIN_S = 1.0
+#: Longest wait for one connection to close politely before it is dropped.
+CLOSE_TIMEOUT_S = 1.0
+#: Exit status of a service that could not start: a setting must change (as for a bad value).
+EXIT_REFUSED = 2
 
 
 class Service(Protocol):
@@ -42,6 +64,15 @@ class Service(Protocol):
 
     def alive(self) -> bool:
         """False when a task the service depends on died: /healthz fails, the process exits 1."""
+
+    def left_behind(self) -> dict[str, int]:
+        """What the service still holds as it exits (counts by kind), for the last log line."""
+
+
+def finish_budget_s(grace_s: float) -> float:
+    """How long, of ``grace_s``, a stopping service lets the work under way finish: the rest
+    is kept to hand back what is held and to cut off what hangs."""
+    return max(grace_s - HAND_BACK_RESERVE_S - CUT_OFF_RESERVE_S, grace_s / 2)
 
 
 class Dependencies:
@@ -112,6 +143,9 @@ class Tasks:
     def alive(self) -> bool:
         return self.failed is None
 
+    def unfinished(self) -> int:
+        return sum(1 for task in self.tasks.values() if not task.done())
+
     async def wait_all(self, timeout_s: float) -> None:
         """Wait for the tasks to end by themselves, then cancel what is left."""
         pending = [t for t in self.tasks.values() if not t.done()]
@@ -162,8 +196,12 @@ async def _start_http(app: web.Application, port: int) -> tuple[web.AppRunner, i
     return runner, bound
 
 
-async def serve(service: Service, settings: CommonSettings) -> int:
-    """Run ``service`` with its health server until a signal (or a dead task) stops it."""
+async def serve(service: Service, settings: CommonSettings) -> tuple[int, bool]:
+    """Run ``service`` with its health server until a signal (or a dead task) stops it.
+
+    Returns the exit status and whether the service ended cleanly; when it did not (it was
+    cancelled and still hangs), the caller must not wait for the event loop to wind down.
+    """
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -171,15 +209,98 @@ async def serve(service: Service, settings: CommonSettings) -> int:
     runner, port = await _start_http(_health_app(service), settings.metrics_port)
     log.info("service starting", extra={"action": "service_starting", "metrics_port": port})
     started = time.monotonic()
-    try:
-        await service.run(stopping)
-    finally:
-        await runner.cleanup()
-    log.info(
+    work = asyncio.create_task(service.run(stopping), name="service")
+    grace_s = settings.shutdown_grace_s
+    stopped_at = await _until_stopping(work, stopping)
+    _arm_watchdog(service, grace_s + WATCHDOG_MARGIN_S)
+    ending = "finished" if work.done() else await _end_within(work, stopped_at + grace_s)
+    cut_off = ending != "finished"
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(runner.cleanup(), CLOSE_TIMEOUT_S)
+    code = 0 if service.alive() else 1
+    error = work.exception() if work.done() and not work.cancelled() else None
+    if isinstance(error, errors.DependencyRefused):
+        # One line naming the setting and the reason: an operator must change it.
+        print(f"cronbus {service.name}: {error.setting}: {error.reason}", file=sys.stderr)
+        return EXIT_REFUSED, True
+    if error is not None and not isinstance(error, transient.Stopped):
+        if not cut_off:
+            raise error  # a bug: its traceback is wanted
+        # Cancelled work may end in whatever the call it was cut off in raised.
+        log.warning("cut-off work ended in an error", extra={"error": repr(error)})
+    log.log(
+        logging.WARNING if cut_off else logging.INFO,
         "service stopped",
-        extra={"action": "service_stopped", "uptime_s": round(time.monotonic() - started, 1)},
+        extra={
+            "action": "service_stopped",
+            "uptime_s": round(time.monotonic() - started, 1),
+            "stop_s": round(time.monotonic() - stopped_at, 2),
+            "cut_off": cut_off,
+            "left_behind": _left_behind(service),
+        },
     )
-    return 0 if service.alive() else 1
+    return code, ending != "hung"
+
+
+async def _until_stopping(work: asyncio.Task[None], stopping: asyncio.Event) -> float:
+    """Wait until the service is asked to stop (or ends by itself); when that happened."""
+    asked = asyncio.create_task(stopping.wait(), name="stop-signal")
+    await asyncio.wait({work, asked}, return_when=asyncio.FIRST_COMPLETED)
+    asked.cancel()
+    stopping.set()
+    return time.monotonic()
+
+
+async def _end_within(work: asyncio.Task[None], deadline: float) -> Ending:
+    """Let ``work`` finish or hand back what it holds; near the deadline, cancel what is still
+    under way (a reconnect, a retried write)."""
+    total = max(deadline - time.monotonic(), 0.0)
+    reserve = min(CUT_OFF_RESERVE_S, total / 2)
+    await asyncio.wait({work}, timeout=total - reserve)
+    if work.done():
+        return "finished"
+    log.warning(
+        "grace period nearly spent: cancelling what is still under way",
+        extra={"action": "shutdown_cut_off"},
+    )
+    work.cancel()
+    await asyncio.wait({work}, timeout=max(deadline - time.monotonic(), 0.1))
+    return "cut_off" if work.done() else "hung"
+
+
+def _left_behind(service: Service) -> dict[str, int]:
+    try:
+        return {kind: count for kind, count in service.left_behind().items() if count}
+    except Exception:  # the last log line must not fail the exit
+        log.exception("could not count what is left behind")
+        return {}
+
+
+def _arm_watchdog(service: Service, after_s: float) -> None:
+    """End the process ``after_s`` from now whatever hangs (a blocked loop, a stuck close)."""
+
+    def expire() -> None:
+        log.error(
+            "shutdown overran the grace period; exiting now",
+            extra={
+                "action": "service_stopped",
+                "cut_off": True,
+                "left_behind": _left_behind(service),
+            },
+        )
+        _exit_now(0 if service.alive() else 1)
+
+    timer = threading.Timer(after_s, expire)
+    timer.daemon = True
+    timer.start()
+
+
+def _exit_now(code: int) -> None:
+    """Exit without unwinding (what is held is left to leases, as after a crash)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def load_settings(name: str, cls: type[SettingsT]) -> SettingsT:
@@ -205,7 +326,9 @@ def main(name: str, service: Service, settings: CommonSettings) -> None:
     except ImportError:  # pragma: no cover - platforms without uvloop
         runner = asyncio.Runner()
     with runner:
-        code = runner.run(serve(service, settings))
+        code, clean = runner.run(serve(service, settings))
+        if not clean:
+            _exit_now(code)  # cancelling the rest of the loop's tasks could hang as well
     sys.exit(code)
 
 
@@ -253,30 +376,60 @@ class Connections:
             raise ConnectionError("RabbitMQ connection is reconnecting")
 
     async def open(self, stopping: asyncio.Event, tasks: Tasks) -> None:
-        """Connect everything, waiting out dependencies that are not there yet."""
+        """Connect everything, waiting out dependencies that are not there yet.
+
+        A refusal that waiting cannot mend (credentials, a missing vhost or database) raises
+        errors.DependencyRefused naming the setting to change.
+        """
         tasks.start("dependencies", self.dependencies.watch(stopping))
         settings = self.settings
         if settings.migrate_on_start:
             await transient.retry(
-                lambda: db.migrate(settings.database_url), what="migrate", stopping=stopping
+                lambda: db.migrate(settings.database_url),
+                what="migrate",
+                stopping=stopping,
+                setting="CRONBUS_DATABASE_URL",
             )
-        await transient.retry(self.index.load_scripts, what="redis", stopping=stopping)
+        await transient.retry(
+            self.index.load_scripts, what="redis", stopping=stopping, setting="CRONBUS_REDIS_URL"
+        )
         self._store = await transient.retry(
-            lambda: Store.open(settings.database_url), what="postgres", stopping=stopping
+            lambda: Store.open(settings.database_url),
+            what="postgres",
+            stopping=stopping,
+            setting="CRONBUS_DATABASE_URL",
         )
         if self.wants_amqp:
             self._amqp = await transient.retry(
                 lambda: amqp.connect(settings.amqp_url, f"cronbus-{self.name}"),
                 what="rabbitmq",
                 stopping=stopping,
+                setting="CRONBUS_AMQP_URL",
             )
 
     async def close(self) -> None:
+        """Close each connection, dropping it when it does not close politely in time (a
+        server that is down or slow must not hold the shutdown)."""
         if self._amqp is not None:
-            await self._amqp.close()
+            await _close_within(self._amqp.close(), "rabbitmq")
         if self._store is not None:
-            await self._store.close()
-        await self.redis.aclose()
+            pool = self._store.pool
+            if not await _close_within(pool.close(), "postgres"):
+                pool.terminate()
+        await _close_within(self.redis.aclose(), "redis")
+
+
+async def _close_within(closing: Awaitable[object], what: str) -> bool:
+    """Await a close for at most CLOSE_TIMEOUT_S; False when it failed or took too long."""
+    try:
+        await asyncio.wait_for(closing, CLOSE_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - whatever the driver raises, the exit goes on
+        log.warning(
+            "connection dropped at shutdown",
+            extra={"action": "connection_dropped", "dependency": what, "error": repr(exc)},
+        )
+        return False
+    return True
 
 
 class ServiceBase:
@@ -294,3 +447,7 @@ class ServiceBase:
 
     def alive(self) -> bool:
         return self.tasks is None or self.tasks.alive()
+
+    def left_behind(self) -> dict[str, int]:
+        """Named tasks that had to be cut off; services add what they hold."""
+        return {"tasks": self.tasks.unfinished() if self.tasks is not None else 0}

@@ -115,6 +115,60 @@ class CommandAudit:
     reply: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class AppliedCommand:
+    """What the audit kept of an applied command: enough to tell a replay from a conflict."""
+
+    verb: str
+    body: Any
+    reply: dict[str, Any]
+
+
+#: Longest text kept in an audit column (ids and AMQP properties are far shorter when honest).
+AUDIT_TEXT_MAX = 1000
+
+
+def _audit_text(value: str | None) -> str | None:
+    if value is None:
+        return None
+    return value.replace("\x00", "\ufffd")[:AUDIT_TEXT_MAX]
+
+
+def _audit_json(value: Any) -> Any:
+    """``value`` as JSON that jsonb accepts: a NUL escape (``\\u0000``) becomes U+FFFD."""
+    if value is None:
+        return None
+    try:
+        encoded = codec.dumps(value)
+    except TypeError:  # nested too deep to encode: validation refuses it; the audit drops it
+        return None
+    if b"\\u0000" in encoded:
+        encoded = encoded.replace(b"\\u0000", b"\\ufffd")
+    return codec.Fragment(encoded)
+
+
+def _as_json(value: dict[str, Any] | bytes) -> Any:
+    return codec.Fragment(value) if isinstance(value, bytes) else value
+
+
+def _audit_columns(audits: Sequence[CommandAudit]) -> list[list[Any]]:
+    """Audit rows as the column arrays of an unnest (sanitized as ``record_command`` does)."""
+    return [
+        [_audit_text(a.namespace) for a in audits],
+        [_audit_text(a.verb) for a in audits],
+        [_audit_text(a.schedule_id) for a in audits],
+        [_audit_text(a.user_id) for a in audits],
+        [_audit_text(a.app_id) for a in audits],
+        [_audit_text(a.message_id) for a in audits],
+        [_audit_text(a.correlation_id) for a in audits],
+        [_audit_json(a.body) for a in audits],
+        [_audit_text(a.outcome) for a in audits],
+        [_audit_json(a.error) for a in audits],
+        [a.version for a in audits],
+        [_audit_json(a.reply) for a in audits],
+    ]
+
+
 @dataclass(slots=True)
 class ExecutionRow:
     namespace: str
@@ -296,6 +350,18 @@ class Store:
         record = await self.pool.fetchrow(QUERIES["get_schedule"], namespace, schedule_id)
         return None if record is None else ScheduleRow.of(record)
 
+    async def get_schedules_and_audit(
+        self, members: Sequence[tuple[str, str]], audits: Sequence[CommandAudit]
+    ) -> dict[tuple[str, str], ScheduleRow]:
+        """Many schedules by (namespace, id), writing the gets' audit rows: one round trip."""
+        records = await self.pool.fetch(
+            QUERIES["get_schedules_and_audit"],
+            [ns for ns, _ in members],
+            [i for _, i in members],
+            *_audit_columns(audits),
+        )
+        return {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records}
+
     async def put_schedule(self, conn: Connection, row: NewScheduleRow) -> ScheduleRow:
         record = await conn.fetchrow(
             QUERIES["put_schedule"],
@@ -331,31 +397,77 @@ class Store:
         return [ScheduleRow.of(record) for record in records]
 
     async def record_command(self, audit: CommandAudit, conn: Connection | None = None) -> None:
+        """One audit row. Whatever a hostile command carried, the row can be stored: text loses
+        its NULs (PostgreSQL refuses them) and long values are cut."""
         target: Any = conn if conn is not None else self.pool
         await target.execute(
             QUERIES["record_command"],
-            audit.namespace,
-            audit.verb,
-            audit.schedule_id,
-            audit.user_id,
-            audit.app_id,
-            audit.message_id,
-            audit.correlation_id,
-            audit.body,
-            audit.outcome,
-            audit.error,
+            _audit_text(audit.namespace),
+            _audit_text(audit.verb),
+            _audit_text(audit.schedule_id),
+            _audit_text(audit.user_id),
+            _audit_text(audit.app_id),
+            _audit_text(audit.message_id),
+            _audit_text(audit.correlation_id),
+            _audit_json(audit.body),
+            _audit_text(audit.outcome),
+            _audit_json(audit.error),
             audit.version,
-            audit.reply,
+            _audit_json(audit.reply),
         )
 
-    async def applied_reply(
-        self, namespace: str, verb: str, message_id: str
-    ) -> dict[str, Any] | None:
-        """The reply of a command already applied under this message id, if any."""
-        reply: dict[str, Any] | None = await self.pool.fetchval(
-            QUERIES["applied_reply"], namespace, verb, message_id
+    async def lock_schedule_keys(
+        self, conn: Connection, members: Sequence[tuple[str, str]]
+    ) -> tuple[int, dict[tuple[str, str], ScheduleRow]]:
+        """The transaction's now() (ms) and the schedules of any namespaces, locked in key order
+        (no deadlock between batches)."""
+        records = await conn.fetch(
+            QUERIES["lock_schedule_keys"], [ns for ns, _ in members], [i for _, i in members]
         )
-        return reply
+        rows = {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records if r["id"]}
+        return int(records[0]["txn_now_ms"]), rows
+
+    async def put_schedules_and_audit(
+        self, conn: Connection, rows: Sequence[NewScheduleRow], audits: Sequence[CommandAudit]
+    ) -> None:
+        """Group commit's writes: the schedules and the audit rows, in one statement."""
+        await conn.execute(
+            QUERIES["put_schedules_and_audit"],
+            [r.namespace for r in rows],
+            [r.id for r in rows],
+            [r.version for r in rows],
+            [r.state for r in rows],
+            [_as_json(r.definition) for r in rows],
+            [r.compact for r in rows],
+            [r.priority for r in rows],
+            [r.labels for r in rows],
+            [r.fires for r in rows],
+            [r.last_fire_ms for r in rows],
+            [r.next_fire_ms for r in rows],
+            [r.rotation_version for r in rows],
+            *_audit_columns(audits),
+        )
+
+    async def applied_commands(
+        self, conn: Connection, members: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], AppliedCommand]:
+        """(namespace, message_id) -> the command already applied under it, for each given."""
+        wanted = set(members)
+        if not wanted:
+            return {}
+        records = await conn.fetch(QUERIES["applied_commands"], sorted({mid for _, mid in wanted}))
+        return {
+            (r["namespace"], r["message_id"]): AppliedCommand(r["verb"], r["body"], r["reply"])
+            for r in records
+            if (r["namespace"], r["message_id"]) in wanted
+        }
+
+    async def applied_command(self, namespace: str, message_id: str) -> AppliedCommand | None:
+        """The command already applied under this message id in ``namespace``, if any."""
+        record = await self.pool.fetchrow(QUERIES["applied_command"], namespace, message_id)
+        if record is None:
+            return None
+        return AppliedCommand(record["verb"], record["body"], record["reply"])
 
     async def execution_exists(
         self, namespace: str, schedule_id: str, nominal_ms: int, *, is_trigger: bool = False

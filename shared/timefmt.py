@@ -11,6 +11,9 @@ _RFC3339 = re.compile(
 )
 _FRACTION = re.compile(r"\.(\d+)")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: The range of instants cronbus works with: the Unix epoch to the end of year 9999 UTC.
+MIN_MS = 0
+MAX_MS = 253_402_300_799_999
 
 
 def parse_rfc3339_ms(text: str) -> int:
@@ -26,9 +29,12 @@ def parse_rfc3339_ms(text: str) -> int:
         normalised = normalised.replace(fraction.group(0), fraction.group(0)[:7])
     try:
         value = datetime.fromisoformat(normalised.replace("t", "T"))
+        return datetime_to_ms(value)
     except ValueError as exc:
         raise ValueError(f"{text!r} is not a valid date and time ({exc})") from None
-    return datetime_to_ms(value)
+    except OverflowError:
+        # Year 1 or 9999 with an offset: the UTC instant falls outside what datetime holds.
+        raise ValueError(f"{text!r} is outside the years 1970-9999 UTC") from None
 
 
 def datetime_to_ms(value: datetime) -> int:

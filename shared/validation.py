@@ -157,14 +157,78 @@ def parse_command(verb: str, body: Any) -> models.Strict:
             "the body must be a JSON object",
             [{"field": "(body)", "reason": "must be a JSON object"}],
         )
+    checked = body
+    if verb == "upsert_many" and isinstance(body.get("schedules"), list):
+        # Each schedule is checked (and refused) on its own, by parse_schedule.
+        checked = {key: value for key, value in body.items() if key != "schedules"}
+    problems = structural_problems(checked)
+    if problems:
+        raise _named_failure(verb, problems)
     try:
         return model.model_validate(body)
     except pydantic.ValidationError as exc:
         raise _command_failure(verb, exc) from None
 
 
+#: PostgreSQL cannot store a NUL in text or JSON, and no field has a use for one.
+NUL_REASON = "must not contain a NUL character"
+#: Fields with a NUL named in one refusal.
+MAX_NUL_FIELDS = 50
+
+
+#: How deep a command may nest (a schedule needs 4 levels; a target body gets the rest). The
+#: JSON parser takes 1024, but the encoder stops at 255, and every command is encoded again.
+MAX_DEPTH = 64
+
+
+def _printable(key: str) -> str:
+    return key if key.isprintable() and len(key) <= 64 else repr(key[:64])
+
+
+def structural_problems(body: Any) -> list[FieldError]:
+    """What no field may hold: nesting deeper than MAX_DEPTH, a NUL anywhere (one pass)."""
+    nul: list[str] = []
+    stack: list[tuple[str, Any, int]] = [("", body, 0)]
+    while stack:
+        path, value, depth = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value and len(nul) < MAX_NUL_FIELDS:
+                nul.append(path or "(body)")
+        elif depth >= MAX_DEPTH and isinstance(value, dict | list) and value:
+            # Name where the nesting starts (say schedule.target.body), not 65 levels of it.
+            head = ".".join(path.split("[", 1)[0].split(".")[:3])
+            return [{"field": head or "(body)", "reason": f"nests deeper than {MAX_DEPTH} levels"}]
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{_printable(key)}" if path else _printable(key)
+                if "\x00" in key and len(nul) < MAX_NUL_FIELDS:
+                    nul.append(child)
+                stack.append((child, item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
+    return [{"field": path, "reason": NUL_REASON} for path in sorted(nul)]
+
+
+def parse_schedule(raw: Any) -> models.Schedule:
+    """One schedule of an upsert_many, or ValidationFailed(invalid_schedule) naming its fields."""
+    if not isinstance(raw, dict):
+        details = [{"field": "(schedule)", "reason": "must be an object"}]
+        raise ValidationFailed("invalid_schedule", _summary(details), details)
+    problems = structural_problems(raw)
+    if problems:
+        raise ValidationFailed("invalid_schedule", _summary(problems), problems)
+    try:
+        return models.Schedule.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        details = field_errors(exc)
+        raise ValidationFailed("invalid_schedule", _summary(details), details) from None
+
+
 def _command_failure(verb: str, exc: pydantic.ValidationError) -> ValidationFailed:
-    details = field_errors(exc)
+    return _named_failure(verb, field_errors(exc))
+
+
+def _named_failure(verb: str, details: list[FieldError]) -> ValidationFailed:
     if verb == "upsert" and all(d["field"].startswith("schedule.") for d in details):
         # Schedule errors are named relative to the schedule, as in the pinned reply example.
         details = [
@@ -178,6 +242,17 @@ def _summary(details: list[FieldError]) -> str:
     first = details[0]
     more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
     return f"{first['field']}: {first['reason']}{more}"
+
+
+def check_properties(message_id: str | None, correlation_id: str | None) -> None:
+    """The AMQP properties a command is audited and replayed by: printable text."""
+    details = [
+        {"field": name, "reason": "must not contain control characters"}
+        for name, value in (("message_id", message_id), ("correlation_id", correlation_id))
+        if value is not None and models.CONTROL_RE.search(value)
+    ]
+    if details:
+        raise ValidationFailed("invalid_command", _summary(details), details)
 
 
 def check_namespace(namespace: str) -> None:

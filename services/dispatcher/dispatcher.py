@@ -54,6 +54,8 @@ class Dispatcher:
         self._sleep_until_ms: float = 0
         self._redis_offset_ms = 0.0
         self._claim_span_ns = (0, 0)
+        #: Occurrences claimed and being published: leased until published or released.
+        self.publishing = 0
 
     def use_shards(self, shards: list[int]) -> None:
         """The shard leases changed: claim from these from now on."""
@@ -98,7 +100,9 @@ class Dispatcher:
                 metrics.ORPHANS.inc(result.orphans)
         if claimed:
             metrics.CLAIMED.inc(len(claimed))
+            self.publishing = len(claimed)
             await self.publish(claimed)
+            self.publishing = 0
         await self._sleep_until_next(results)
 
     async def publish(self, claimed: Sequence[Claimed]) -> None:

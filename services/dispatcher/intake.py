@@ -11,16 +11,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-import aio_pika
+import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
+from services.dispatcher import batch
+from services.dispatcher.views import view
 from shared import (
     amqp,
     codec,
@@ -34,17 +37,21 @@ from shared import (
     transient,
     validation,
 )
+from shared.batcher import GroupCommit
 from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
-from shared.index import Index
-from shared.plan import AfterCompletionRule, Plan
-from shared.store import CommandAudit, NewScheduleRow, PendingRun, ScheduleRow, Store
+from shared.index import Index, Upsert
+from shared.plan import Plan
+from shared.store import CommandAudit, PendingRun, ScheduleRow, Store
 
 log = logging.getLogger(__name__)
 
-NEXT_FIRES_SHOWN = 5
+#: A reply lists at most this many field errors.
+MAX_ERROR_DETAILS = 50
 #: How far (ms) a trigger may move forward to get an identity of its own.
 MAX_TRIGGER_SHIFT_MS = 1000
+#: How long each step of reporting an unexpected failure may take.
+FAIL_SAFE_TIMEOUT_S = 5.0
 Wake = Callable[[int, int], Awaitable[None]]
 
 
@@ -71,8 +78,47 @@ class Meta:
         )
 
 
+@dataclass(slots=True)
+class Received:
+    """A command as far as it is understood so far (what a refusal can audit)."""
+
+    body: bytes
+    meta: Meta
+    #: Earlier deliveries of this message (the quorum queue's ``x-delivery-count``).
+    deliveries: int = 0
+    namespace: str | None = None
+    verb: str | None = None
+    parsed: Any = None
+    command: models.Strict | None = None
+    #: An upsert's checked plan (version 0).
+    plan: Plan | None = None
+    #: An upsert_many's schedules, each checked or refused on its own.
+    items: list[batch.UpsertItem | ValidationFailed] = field(default_factory=list)
+    #: The ``id`` each of those schedules gives (None: none that is a string).
+    item_ids: list[str | None] = field(default_factory=list)
+
+
+def _delivery_count(message: AbstractIncomingMessage) -> int:
+    value = (message.headers or {}).get("x-delivery-count")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _reply_to_refused(failure: ValidationFailed) -> bool:
+    return any(d.get("field") == "reply_to" for d in failure.details)
+
+
+def _error_of(failure: ValidationFailed) -> dict[str, Any]:
+    """The reply's error: a hostile command may have thousands of problems; list the first."""
+    return {
+        "code": failure.code,
+        "message": str(failure)[:2000],
+        "details": failure.details[:MAX_ERROR_DETAILS],
+    }
+
+
 class Unparseable(ValidationFailed):
-    """The message is not a command at all: it goes to the dead-letter queue."""
+    """The message is not a command at all (or keeps failing): it goes to the dead-letter
+    queue, answered or not."""
 
 
 def split_routing_key(routing_key: str) -> tuple[str, str]:
@@ -94,8 +140,9 @@ def decode_cursor(cursor: str | None) -> str:
     if not cursor:
         return ""
     try:
-        return base64.urlsafe_b64decode(cursor.encode()).decode()
-    except (binascii.Error, UnicodeDecodeError):
+        last_id = base64.urlsafe_b64decode(cursor.encode()).decode()
+        return models.check_schedule_id(last_id)
+    except (binascii.Error, ValueError):
         raise ValidationFailed(
             "invalid_command",
             "cursor: is not a cursor this cronbus returned",
@@ -103,51 +150,13 @@ def decode_cursor(cursor: str | None) -> str:
         ) from None
 
 
-def _next_fires(row: ScheduleRow, plan: Plan, now_ms: int) -> list[str]:
-    if row.state != "active":
-        return []
-    remaining = NEXT_FIRES_SHOWN
-    if plan.max_fires is not None:
-        remaining = min(remaining, max(plan.max_fires - row.fires, 0))
-    times: list[int] = []
-    current = row.next_fire_ms
-    if current is None or current < now_ms:
-        times = schedule.upcoming(plan, now_ms, remaining, fires=0)
-    else:
-        while current is not None and len(times) < remaining:
-            times.append(current)
-            current = (
-                None
-                if isinstance(plan.rule, AfterCompletionRule)
-                else (schedule.next_nominal(plan, current))
-            )
-    return [timefmt.format_ms(t) for t in times]
-
-
-def view(row: ScheduleRow, now_ms: int) -> dict[str, Any]:
-    """A schedule as replies show it: the definition plus what cronbus assigns."""
-    out = dict(row.definition)
-    out.update(
-        namespace=row.namespace,
-        version=row.version,
-        state=row.state,
-        fires=row.fires,
-        last_fire_at=None if row.last_fire_ms is None else timefmt.format_ms(row.last_fire_ms),
-        next_fires=[]
-        if row.state == "deleted"
-        else _next_fires(row, compact.decode(row.compact), now_ms),
-        created_at=timefmt.format_ms(row.created_ms),
-        updated_at=timefmt.format_ms(row.updated_ms),
-    )
-    return out
-
-
-def not_found(namespace: str, schedule_id: str) -> ValidationFailed:
-    return ValidationFailed(
-        "not_found",
-        f"no schedule {namespace}/{schedule_id}",
-        [{"field": "id", "reason": f"no schedule {schedule_id!r} in namespace {namespace!r}"}],
-    )
+not_found = batch.not_found
+#: Verbs that go through group commit besides upsert.
+CHANGE_VERBS: dict[str, Literal["delete", "pause", "resume"]] = {
+    "delete": "delete",
+    "pause": "pause",
+    "resume": "resume",
+}
 
 
 class Intake:
@@ -170,6 +179,19 @@ class Intake:
         self.clock = clock
         self.policy = settings.target_policy()
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self.committer: GroupCommit[batch.Item, dict[str, Any] | Exception] = GroupCommit(
+            self._commit_upserts,
+            max_items=settings.commands_batch,
+            workers=settings.commands_commit_workers,
+            name="upsert-commit",
+        )
+        #: Gets ready together are read (and audited) in one round trip.
+        self.reader: GroupCommit[tuple[str, str, CommandAudit], ScheduleRow | None] = GroupCommit(
+            self._read_schedules,
+            max_items=settings.commands_batch,
+            workers=settings.commands_commit_workers,
+            name="get-batch",
+        )
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -177,38 +199,119 @@ class Intake:
     # --- the message --------------------------------------------------------------------------
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
-        """Apply one command and answer it; dependency outages are waited out."""
-        meta = Meta.of(message)
+        """Apply one command and answer it; dependency outages are waited out.
+
+        Whatever the input, the message ends acknowledged with a reply or a dead letter: an
+        unexpected error is logged with its traceback and answered with code ``internal``.
+        """
+        received = Received(message.body, Meta.of(message), _delivery_count(message))
         try:
-            reply = await transient.retry(
-                lambda: self._apply(message.body, meta), what="command", stopping=self.stopping
-            )
-            await transient.retry(
-                lambda: self._answer(meta, reply), what="command reply", stopping=self.stopping
-            )
+            reply = await self._apply(received)
+            if reply is not None:
+                await transient.retry(
+                    lambda: self._answer(received.meta, reply),
+                    what="command reply",
+                    stopping=self.stopping,
+                )
         except transient.Stopped:
             await message.nack(requeue=True)
             return
+        except Exception:
+            log.exception(
+                "command failed unexpectedly",
+                extra={
+                    "action": "command_internal_error",
+                    "routing_key": received.meta.routing_key,
+                },
+            )
+            await self._fail_safely(received)
         await message.ack()
 
-    async def _apply(self, body: bytes, meta: Meta) -> dict[str, Any]:
-        verb: str | None = None
-        namespace: str | None = None
-        parsed: Any = None
+    async def _apply(self, received: Received) -> dict[str, Any] | None:
+        """The reply to send (None: none may be sent)."""
         try:
-            namespace, verb = split_routing_key(meta.routing_key)
-            validation.check_namespace(namespace)
-            try:
-                parsed = validation.parse_body(body)
-            except ValidationFailed as failure:
-                raise Unparseable(failure.code, str(failure), failure.details) from None
-            command = validation.parse_command(verb, parsed)
-            async with self._lock_for(namespace, _schedule_id_of(parsed) or ""):
-                reply = await self._execute(namespace, verb, command, meta, parsed)
+            self._validate(received)
+            assert received.namespace is not None and received.verb is not None
+            assert received.command is not None
+            namespace, verb, command = received.namespace, received.verb, received.command
+            # No await before the lock: commands on one schedule take it in arrival order.
+            async with self._locks_for(namespace, _schedule_ids_of(received)):
+                reply = await transient.retry(
+                    lambda: self._execute(namespace, verb, command, received),
+                    what="command",
+                    stopping=self.stopping,
+                )
         except ValidationFailed as failure:
-            return await self._refuse(failure, namespace, verb, parsed, body, meta)
-        metrics.COMMANDS.labels(verb, "ok").inc()
+            refused = failure
+            refusal = await transient.retry(
+                lambda: self._refuse(refused, received),
+                what="command refusal",
+                stopping=self.stopping,
+            )
+            return None if _reply_to_refused(refused) else refusal
+        metrics.COMMANDS.labels(received.verb, "ok").inc()
         return reply
+
+    def _validate(self, received: Received) -> None:
+        """Everything that needs no I/O, in order; fills ``received`` as parts become known."""
+        meta = received.meta
+        if received.deliveries >= amqp.COMMAND_DELIVERY_LIMIT:
+            raise Unparseable(
+                "internal",
+                f"the command was delivered {received.deliveries} times without an answer; "
+                "it is kept in the dead-letter queue",
+            )
+        if meta.reply_to and not keys.reply_queue_allowed(meta.reply_to):
+            raise ValidationFailed(
+                "invalid_command",
+                f"reply_to {meta.reply_to[:255]!r} is not allowed: replies go only to "
+                "amq.rabbitmq.reply-to or a server-named amq.gen-* queue",
+                [{"field": "reply_to", "reason": "must be amq.rabbitmq.reply-to or amq.gen-*"}],
+            )
+        if len(received.body) > self.settings.max_command_bytes:
+            raise ValidationFailed(
+                "too_large",
+                f"the command is {len(received.body)} bytes; at most "
+                f"{self.settings.max_command_bytes} are accepted",
+                [{"field": "(body)", "reason": "is too large"}],
+            )
+        validation.check_properties(meta.message_id, meta.correlation_id)
+        namespace, verb = split_routing_key(meta.routing_key)
+        validation.check_namespace(namespace)
+        received.namespace = namespace
+        received.verb = verb
+        try:
+            received.parsed = validation.parse_body(received.body)
+        except ValidationFailed as failure:
+            raise Unparseable(failure.code, str(failure), failure.details) from None
+        received.command = validation.parse_command(verb, received.parsed)
+        if isinstance(received.command, models.UpsertCommand):
+            received.plan = validation.check_schedule(
+                received.command.schedule, 0, self.now_ms(), self.policy
+            )
+        elif isinstance(received.command, models.UpsertManyCommand):
+            now = self.now_ms()
+            raws = received.command.schedules
+            received.items = [self._checked_item(namespace, raw, now) for raw in raws]
+            received.item_ids = [_schedule_id_of(raw) for raw in raws]
+
+    def _checked_item(
+        self, namespace: str, raw: Any, now_ms: int
+    ) -> batch.UpsertItem | ValidationFailed:
+        try:
+            item = validation.parse_schedule(raw)
+            plan = validation.check_schedule(item, 0, now_ms, self.policy)
+        except ValidationFailed as failure:
+            return failure
+        return batch.UpsertItem(namespace, item, plan)
+
+    @contextlib.asynccontextmanager
+    async def _locks_for(self, namespace: str, schedule_ids: list[str]) -> AsyncIterator[None]:
+        """The locks of every schedule a command touches, in id order (no deadlock)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for schedule_id in sorted(set(schedule_ids)):
+                await stack.enter_async_context(self._lock_for(namespace, schedule_id))
+            yield
 
     def _lock_for(self, namespace: str, schedule_id: str) -> asyncio.Lock:
         """Commands on one schedule run one at a time in this process, in arrival order."""
@@ -220,16 +323,10 @@ class Intake:
             lock = self._locks[key] = asyncio.Lock()
         return lock
 
-    async def _refuse(
-        self,
-        failure: ValidationFailed,
-        namespace: str | None,
-        verb: str | None,
-        parsed: Any,
-        body: bytes,
-        meta: Meta,
-    ) -> dict[str, Any]:
-        error = {"code": failure.code, "message": str(failure), "details": failure.details}
+    async def _refuse(self, failure: ValidationFailed, received: Received) -> dict[str, Any]:
+        meta = received.meta
+        error = _error_of(failure)
+        verb = received.verb
         metrics.COMMANDS.labels(verb if verb in models.VERBS else "unknown", failure.code).inc()
         log.info(
             "command refused",
@@ -240,186 +337,250 @@ class Intake:
                 "error": str(failure),
             },
         )
-        schedule_id = _schedule_id_of(parsed)
-        await self.store.record_command(
-            CommandAudit(
-                namespace=namespace,
-                verb=verb,
-                schedule_id=schedule_id,
-                outcome=failure.code,
-                body=parsed if isinstance(parsed, dict | list) else None,
-                error=error,
-                user_id=meta.user_id,
-                app_id=meta.app_id,
-                message_id=meta.message_id,
-                correlation_id=meta.correlation_id,
-            )
-        )
-        if isinstance(failure, Unparseable) or not meta.reply_to:
+        await self.store.record_command(self._audit_of(received, failure.code, error))
+        if _reply_to_refused(failure):
+            metrics.REPLY_TO_REFUSED.inc()
+        if isinstance(failure, Unparseable) or not meta.reply_to or _reply_to_refused(failure):
             # Nobody would hear of it otherwise: keep the message, with why, for an operator.
-            await amqp.dead_letter(
-                self.channel,
-                keys.COMMANDS_QUEUE,
-                body,
-                f"{failure.code}: {failure}",
-                {
-                    "reply_to": meta.reply_to,
-                    "correlation_id": meta.correlation_id,
-                    "message_id": meta.message_id,
-                    "headers": {"x-cronbus-routing-key": meta.routing_key},
-                },
-            )
-            metrics.DEAD_LETTERED.labels(keys.COMMANDS_QUEUE).inc()
+            await self._dead_letter(received, f"{failure.code}: {failure}")
         return {"ok": False, "error": error}
 
-    async def _answer(self, meta: Meta, reply: dict[str, Any]) -> None:
-        if not meta.reply_to:
-            return
-        message = aio_pika.Message(
-            codec.dumps(reply), content_type="application/json", correlation_id=meta.correlation_id
-        )
-        await self.channel.default_exchange.publish(
-            message, routing_key=meta.reply_to, mandatory=False
-        )
-
-    # --- the verbs ----------------------------------------------------------------------------
-
-    async def _execute(
-        self, namespace: str, verb: str, command: models.Strict, meta: Meta, parsed: Any
-    ) -> dict[str, Any]:
-        audit = CommandAudit(
-            namespace=namespace,
-            verb=verb,
+    def _audit_of(
+        self, received: Received, outcome: str, error: dict[str, Any] | None = None
+    ) -> CommandAudit:
+        meta = received.meta
+        parsed = received.parsed
+        return CommandAudit(
+            namespace=received.namespace,
+            verb=received.verb,
             schedule_id=_schedule_id_of(parsed),
-            outcome="ok",
-            body=parsed,
+            outcome=outcome,
+            body=parsed if isinstance(parsed, dict | list) else None,
+            error=error,
             user_id=meta.user_id,
             app_id=meta.app_id,
             message_id=meta.message_id,
             correlation_id=meta.correlation_id,
         )
-        replayed = await self._replayed(namespace, verb, meta)
+
+    async def _dead_letter(self, received: Received, reason: str) -> None:
+        meta = received.meta
+        await amqp.dead_letter(
+            self.channel,
+            keys.COMMANDS_QUEUE,
+            received.body,
+            reason,
+            {
+                "reply_to": meta.reply_to,
+                "correlation_id": meta.correlation_id,
+                "message_id": meta.message_id,
+                "headers": {"x-cronbus-routing-key": meta.routing_key},
+            },
+        )
+        metrics.DEAD_LETTERED.labels(keys.COMMANDS_QUEUE).inc()
+
+    async def _fail_safely(self, received: Received) -> None:
+        """After an unexpected error: audit, dead-letter and answer ``internal``, each as far as
+        it goes (whatever failed may fail again), and never raise."""
+        failure = ValidationFailed(
+            "internal", "cronbus could not handle this command; the error is logged"
+        )
+        metrics.COMMANDS.labels(
+            received.verb if received.verb in models.VERBS else "unknown", "internal"
+        ).inc()
+        error = _error_of(failure)
+        steps: list[Callable[[], Awaitable[None]]] = [
+            lambda: self.store.record_command(self._audit_of(received, "internal", error)),
+            lambda: self._dead_letter(received, "internal: the error is in the dispatcher's log"),
+        ]
+        if received.meta.reply_to and keys.reply_queue_allowed(received.meta.reply_to):
+            steps.append(lambda: self._answer(received.meta, {"ok": False, "error": error}))
+        for step in steps:
+            try:
+                await asyncio.wait_for(step(), FAIL_SAFE_TIMEOUT_S)
+            except Exception:
+                log.exception("could not report a failed command", extra={"action": "internal"})
+
+    async def _answer(self, meta: Meta, reply: dict[str, Any]) -> None:
+        if not meta.reply_to:
+            return
+        # Straight to the protocol channel: aio-pika's Message and Exchange layers cost more
+        # per reply than the publish itself.
+        channel = await self.channel.get_underlay_channel()
+        await channel.basic_publish(
+            codec.dumps(reply),
+            exchange="",
+            routing_key=meta.reply_to,
+            properties=aiormq.spec.Basic.Properties(
+                content_type="application/json", correlation_id=meta.correlation_id
+            ),
+        )
+
+    # --- the verbs ----------------------------------------------------------------------------
+
+    async def _execute(
+        self, namespace: str, verb: str, command: models.Strict, received: Received
+    ) -> dict[str, Any]:
+        audit = self._audit_of(received, "ok")
+        if isinstance(command, models.UpsertCommand):
+            # Group commit: with the upserts ready at the same time, replay check included.
+            assert received.plan is not None
+            item = batch.UpsertItem(
+                namespace,
+                command.schedule,
+                received.plan,
+                command.expected_version,
+                audit,
+                received.meta.message_id,
+                received.parsed,
+            )
+            result = await self.committer.submit(item)
+            if isinstance(result, Exception):
+                raise result
+            return result
+        change_verb = CHANGE_VERBS.get(verb)
+        if change_verb is not None:
+            assert isinstance(command, models.IdCommand)
+            change = batch.ChangeItem(
+                namespace,
+                command.id,
+                change_verb,
+                audit,
+                received.meta.message_id,
+                received.parsed,
+            )
+            changed = await self.committer.submit(change)
+            if isinstance(changed, Exception):
+                raise changed
+            return changed
+        replayed = await self._replayed(namespace, verb, received)
         if replayed is not None:
             return replayed
-        if isinstance(command, models.UpsertCommand):
-            return await self.upsert(namespace, command, audit)
+        if isinstance(command, models.UpsertManyCommand):
+            return await self.upsert_many(received.items, received.item_ids, audit)
         if isinstance(command, models.ListCommand):
             reply = await self.list(namespace, command)
             await self.store.record_command(audit)
             return reply
         assert isinstance(command, models.IdCommand)
-        handlers = {
-            "delete": self.delete,
-            "pause": self.pause,
-            "resume": self.resume,
-            "trigger": self.trigger,
-        }
         if verb == "get":
-            reply = await self.get(namespace, command.id)
-            await self.store.record_command(audit)
-            return reply
-        return await handlers[verb](namespace, command.id, audit)
+            row = await self.reader.submit((namespace, command.id, audit))
+            if row is None or row.state == "deleted":
+                raise not_found(namespace, command.id)
+            return {"ok": True, "schedule": view(row, self.now_ms())}
+        return await self.trigger(namespace, command.id, audit)
 
-    async def upsert(
-        self, namespace: str, command: models.UpsertCommand, audit: CommandAudit
+    async def upsert_many(
+        self,
+        items: list[batch.UpsertItem | ValidationFailed],
+        ids: list[str | None],
+        audit: CommandAudit,
     ) -> dict[str, Any]:
-        item = command.schedule
+        """Each schedule applied or refused on its own, as a single upsert; one transaction."""
+        valid = [item for item in items if isinstance(item, batch.UpsertItem)]
+        results: list[dict[str, Any]] = []
+
+        def answered(effect: batch.BatchEffect) -> list[CommandAudit]:
+            outcomes = iter(effect.results)
+            for item, schedule_id in zip(items, ids, strict=True):
+                outcome = item if isinstance(item, ValidationFailed) else next(outcomes)
+                results.append(_item_result(schedule_id, outcome))
+            return [dataclasses.replace(audit, reply={"ok": True, "results": results})]
+
+        await self.apply_batch(valid, answered)
+        return {"ok": True, "results": results}
+
+    async def _commit_upserts(
+        self, items: Sequence[batch.Item]
+    ) -> list[dict[str, Any] | Exception]:
+        """One transaction for the upserts ready together. Should it fail for a reason other
+        than an outage, each is applied alone, so that one bad command fails only itself."""
+        try:
+            effect = await transient.retry(
+                lambda: self.apply_batch(list(items)), what="commands", stopping=self.stopping
+            )
+        except transient.Stopped:
+            raise
+        except Exception as exc:  # noqa: BLE001 - isolated below: each command fails alone
+            if len(items) == 1:
+                return [exc]
+            log.warning(
+                "a batch of commands failed; applying them one at a time",
+                extra={"action": "command_batch_split", "commands": len(items)},
+            )
+            results: list[dict[str, Any] | Exception] = []
+            for item in items:
+                results += await self._commit_upserts([item])
+            return results
+        return list(effect.results)
+
+    async def _read_schedules(
+        self, asked: Sequence[tuple[str, str, CommandAudit]]
+    ) -> list[ScheduleRow | None]:
+        members = [(namespace, schedule_id) for namespace, schedule_id, _ in asked]
+        found = await transient.retry(
+            lambda: self.store.get_schedules_and_audit(members, [a for _, _, a in asked]),
+            what="get",
+            stopping=self.stopping,
+        )
+        return [found.get(member) for member in members]
+
+    async def apply_batch(
+        self,
+        items: Sequence[batch.Item],
+        more_audits: Callable[[batch.BatchEffect], list[CommandAudit]] | None = None,
+    ) -> batch.BatchEffect:
+        """Upserts in one PostgreSQL transaction (locks, one COPY, one audit statement), then
+        one index call per shard. ``more_audits`` adds rows that need the outcome."""
+        metrics.COMMAND_BATCH.observe(len(items))
         now = self.now_ms()
-        checked = validation.check_schedule(item, 0, now, self.policy)
+        members = sorted({(item.namespace, batch.schedule_id_of(item)) for item in items})
         async with self.store.transaction() as conn:
-            old = await self.store.lock_schedule(conn, namespace, item.id)
-            live = old is not None and old.state != "deleted"
-            current_version = old.version if old is not None and live else 0
-            if command.expected_version is not None and command.expected_version != (
-                current_version
-            ):
-                raise ValidationFailed(
-                    "version_conflict",
-                    f"expected version {command.expected_version}, found {current_version}",
-                    [
-                        {
-                            "field": "expected_version",
-                            "reason": f"the stored version is {current_version}",
-                        }
-                    ],
+            txn_now, stored = await self.store.lock_schedule_keys(conn, members)
+            applied = await self.store.applied_commands(
+                conn, [(i.namespace, i.message_id) for i in items if i.message_id]
+            )
+            effect = batch.apply_upserts(items, stored, now, txn_now, applied)
+            audits = effect.audits + (more_audits(effect) if more_audits else [])
+            await self.store.put_schedules_and_audit(conn, list(effect.rows.values()), audits)
+            dropped: list[PendingRun] = []
+            for (namespace, schedule_id), row in effect.rows.items():
+                if row.state == "deleted":
+                    dropped += await self.store.drop_pending_runs(conn, namespace, schedule_id)
+        await self._index_batch(effect, dropped)
+        return effect
+
+    async def _index_batch(
+        self, effect: batch.BatchEffect, dropped: Sequence[PendingRun] = ()
+    ) -> None:
+        upserts: dict[int, list[Upsert]] = {}
+        removals: dict[int, list[tuple[str, int | None]]] = {}
+        # A deleted schedule's pending triggers go too, even one already handed to the
+        # broker: fenced out.
+        for run in dropped:
+            if run.kind == "trigger":
+                member = keys.trigger_member(run.namespace, run.id, run.nominal_ms)
+                removals.setdefault(self.index.shard_of(run.namespace, run.id), []).append(
+                    (member, None)
                 )
-            version = (old.version if old is not None else 0) + 1
-            plan = dataclasses.replace(checked, version=version)
-            current = _current_of(old) if live and old is not None else None
-            placement = rotation.place_upsert(
-                current, plan, item.paused, now, keys.member(namespace, item.id)
-            )
-            row = await self.store.put_schedule(
-                conn,
-                NewScheduleRow(
-                    namespace,
-                    item.id,
-                    version,
-                    placement.state,
-                    item.model_dump(mode="json"),
-                    compact.encode(plan),
-                    item.priority,
-                    item.labels,
-                    placement.fires,
-                    placement.last_fire_ms,
-                    placement.next_nominal,
-                    placement.rotation_version(version),
-                ),
-            )
-            reply = {"ok": True, "created": not live, "schedule": view(row, now)}
-            await self._record(conn, audit, version, reply)
-        await self._index(namespace, item.id, plan, placement)
-        return reply
-
-    async def delete(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
-        now = self.now_ms()
-        async with self.store.transaction() as conn:
-            old = await self._existing(conn, namespace, schedule_id)
-            version = old.version + 1
-            gone = rotation.Placement("deleted", None, None, old.fires, old.last_fire_ms)
-            row = await self.store.put_schedule(conn, _next_version(old, gone, old.definition))
-            dropped = await self.store.drop_pending_runs(conn, namespace, schedule_id)
-            reply = {"ok": True, "schedule": view(row, now)}
-            await self._record(conn, audit, version, reply)
-        shard = self.index.shard_of(namespace, schedule_id)
-        member = keys.member(namespace, schedule_id)
-        # Its pending triggers go too, even one already handed to the broker: fenced out.
-        gone_runs = [(m, None) for m in _trigger_members(dropped)]
-        await self._write_index(lambda: self.index.remove({shard: [(member, version), *gone_runs]}))
-        return reply
-
-    async def pause(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
-        return await self._change_state(namespace, schedule_id, audit, paused=True)
-
-    async def resume(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
-        return await self._change_state(namespace, schedule_id, audit, paused=False)
-
-    async def _change_state(
-        self, namespace: str, schedule_id: str, audit: CommandAudit, *, paused: bool
-    ) -> dict[str, Any]:
-        now = self.now_ms()
-        async with self.store.transaction() as conn:
-            old = await self._existing(conn, namespace, schedule_id)
-            if old.state == "completed" or (old.state == "paused") == paused:
-                # Already where the command asks it to be: nothing changes, no new version.
-                unchanged = {"ok": True, "unchanged": True, "schedule": view(old, now)}
-                await self._record(conn, audit, old.version, unchanged)
-                return unchanged
-            version = old.version + 1
-            plan = dataclasses.replace(compact.decode(old.compact), version=version)
-            current = _current_of(old)
-            placement = (
-                rotation.place_pause(current)
-                if paused
-                else rotation.place_resume(current, now, keys.member(namespace, schedule_id))
-            )
-            row = await self.store.put_schedule(
-                conn, _next_version(old, placement, {**old.definition, "paused": paused})
-            )
-            reply = {"ok": True, "schedule": view(row, now)}
-            await self._record(conn, audit, version, reply)
-        await self._index(namespace, schedule_id, plan, placement)
-        return reply
+        earliest: dict[int, int] = {}
+        for (namespace, schedule_id), (write, version) in effect.index_writes.items():
+            shard = self.index.shard_of(namespace, schedule_id)
+            if write is None:
+                member = keys.member(namespace, schedule_id)
+                removals.setdefault(shard, []).append((member, version))
+                continue
+            upserts.setdefault(shard, []).append(write)
+            if write.next_fire_ms is not None:
+                earliest[shard] = min(earliest.get(shard, write.next_fire_ms), write.next_fire_ms)
+        if upserts:
+            await self._write_index(lambda: self.index.upsert(upserts))
+        if removals:
+            await self._write_index(lambda: self.index.remove(removals))
+        soonest = min(earliest.items(), key=lambda item: item[1], default=None)
+        if soonest is not None and soonest[1] < self.now_ms() + self.settings.max_sleep_s * 1000:
+            # Later fires are found by the dispatchers' own next look: no wake-up needed.
+            await self.wake(*soonest)
 
     async def trigger(
         self, namespace: str, schedule_id: str, audit: CommandAudit
@@ -469,12 +630,6 @@ class Intake:
             [{"field": "id", "reason": "too many triggers at once; try again"}],
         )
 
-    async def get(self, namespace: str, schedule_id: str) -> dict[str, Any]:
-        row = await self.store.get_schedule(namespace, schedule_id)
-        if row is None or row.state == "deleted":
-            raise not_found(namespace, schedule_id)
-        return {"ok": True, "schedule": view(row, self.now_ms())}
-
     async def list(self, namespace: str, command: models.ListCommand) -> dict[str, Any]:
         rows = await self.store.list_schedules(
             namespace,
@@ -501,19 +656,28 @@ class Intake:
             dataclasses.replace(audit, version=version, reply=reply), conn
         )
 
-    async def _replayed(self, namespace: str, verb: str, meta: Meta) -> dict[str, Any] | None:
-        """The reply already given to this message (same message_id), if it was applied.
+    async def _replayed(
+        self, namespace: str, verb: str, received: Received
+    ) -> dict[str, Any] | None:
+        """The reply already given to this command, if it was applied; ``conflict`` when its
+        ``message_id`` was applied to another command.
 
         A command redelivered after a crash between its commit and its ack is answered, not
-        applied twice: a second trigger would be a second run. Should the index write of the
-        first delivery have been lost with the crash, drift repair redoes it for a schedule,
-        and for a trigger it is redone here when no trace of the run exists.
+        applied twice: a second trigger would be a second run. It is the same command only when
+        its verb and body are the same too (the namespace scopes message ids: tenants pick
+        theirs independently). Should the index write of the first delivery have been lost
+        with the crash, drift repair redoes it for a schedule, and for a trigger it is redone
+        here when no trace of the run exists.
         """
-        if not meta.message_id or verb in ("get", "list"):
+        message_id = received.meta.message_id
+        if not message_id or verb in ("get", "list"):
             return None
-        reply = await self.store.applied_reply(namespace, verb, meta.message_id)
-        if reply is None:
+        applied = await self.store.applied_command(namespace, message_id)
+        if applied is None:
             return None
+        if applied.verb != verb or applied.body != received.parsed:
+            raise batch.message_id_conflict(namespace, message_id, applied.verb)
+        reply = applied.reply
         if verb == "trigger":
             await self._ensure_trigger(namespace, reply)
         return {**reply, "duplicate": True}
@@ -561,39 +725,27 @@ class Intake:
             log.warning("index write left to drift repair", extra={"action": "index_deferred"})
 
 
-def _next_version(
-    old: ScheduleRow, placement: rotation.Placement, definition: dict[str, Any]
-) -> NewScheduleRow:
-    """The row of ``old`` at its next version, where ``placement`` puts it."""
-    version = old.version + 1
-    return NewScheduleRow(
-        old.namespace,
-        old.id,
-        version,
-        placement.state,
-        definition,
-        compact.with_version(old.compact, version),
-        old.priority,
-        old.labels,
-        placement.fires,
-        placement.last_fire_ms,
-        placement.next_nominal,
-        placement.rotation_version(version),
-    )
-
-
-def _trigger_members(runs: list[PendingRun]) -> list[str]:
-    return [
-        keys.trigger_member(run.namespace, run.id, run.nominal_ms)
-        for run in runs
-        if run.kind == "trigger"
-    ]
-
-
 def _current_of(row: ScheduleRow) -> rotation.Current:
     return rotation.Current(
         compact.decode(row.compact), row.state, row.fires, row.last_fire_ms, row.next_fire_ms
     )
+
+
+def _item_result(
+    schedule_id: str | None, outcome: dict[str, Any] | ValidationFailed
+) -> dict[str, Any]:
+    """One entry of an upsert_many reply."""
+    if isinstance(outcome, ValidationFailed):
+        return {"id": schedule_id, "ok": False, "error": _error_of(outcome)}
+    schedule = outcome["schedule"]
+    return {"id": schedule["id"], "ok": True, "version": schedule["version"]}
+
+
+def _schedule_ids_of(received: Received) -> list[str]:
+    """The schedules a command touches (their locks keep commands on each in order)."""
+    if isinstance(received.command, models.UpsertManyCommand):
+        return [item.schedule.id for item in received.items if isinstance(item, batch.UpsertItem)]
+    return [_schedule_id_of(received.parsed) or ""]
 
 
 def _schedule_id_of(parsed: Any) -> str | None:

@@ -15,7 +15,7 @@ from services.dispatcher.intake import Intake
 from services.dispatcher.leases import ShardLeases
 from shared import amqp, index, metrics, spans, transient
 from shared.config import DispatcherSettings
-from shared.service import ServiceBase, Tasks
+from shared.service import ServiceBase, Tasks, finish_budget_s
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,15 @@ class DispatcherService(ServiceBase):
         self.spans = spans.open_spans(settings.otlp_endpoint, self.name)
         self.consuming = False
         self._commands: set[asyncio.Task[None]] = set()
+        self._dispatcher: Dispatcher | None = None
+
+    def left_behind(self) -> dict[str, int]:
+        """Commands not answered go back to the broker when the connection drops (a replay
+        is recognised); occurrences claimed and not published are reclaimed by the sweeper."""
+        counts = super().left_behind()
+        counts["commands"] = len(self._commands)
+        counts["claimed_occurrences"] = self._dispatcher.publishing if self._dispatcher else 0
+        return counts
 
     def readiness(self) -> dict[str, bool]:
         status = super().readiness()
@@ -56,7 +65,7 @@ class DispatcherService(ServiceBase):
         settings, connections = self.settings, self.connections
         publish_channel = await connections.amqp.channel(publisher_confirms=True)
         await amqp.declare_topology(publish_channel)
-        dispatcher = Dispatcher(
+        dispatcher = self._dispatcher = Dispatcher(
             settings, connections.index, publish_channel, stopping, spans=self.spans
         )
         wake_channel = connections.index.keys.wake_channel
@@ -103,11 +112,14 @@ class DispatcherService(ServiceBase):
     async def _shut_down(self, queue: AbstractQueue, consumer_tag: str, tasks: Tasks) -> None:
         """Stop taking commands and claiming; finish the commands and publishes under way."""
         self.consuming = False
-        with contextlib.suppress(*transient.ERRORS):
-            await queue.cancel(consumer_tag)
+        with contextlib.suppress(TimeoutError, *transient.ERRORS):
+            # With the broker away the cancel cannot be sent (nor is it needed).
+            await asyncio.wait_for(queue.cancel(consumer_tag), 1)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + finish_budget_s(self.settings.shutdown_grace_s)
         if self._commands:
-            await asyncio.wait(self._commands, timeout=self.settings.shutdown_grace_s)
-        await tasks.wait_all(self.settings.shutdown_grace_s)
+            await asyncio.wait(self._commands, timeout=deadline - loop.time())
+        await tasks.wait_all(max(deadline - loop.time(), 0))
 
 
 async def _listen_for_wakes(

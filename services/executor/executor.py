@@ -423,16 +423,23 @@ class Executor:
             },
         )
 
+    def holding(self) -> int:
+        """Occurrences begun (leased) and not settled: left to their leases if not released."""
+        return len(self._holding)
+
     async def release_abandoned(self) -> int:
-        """Occurrences begun but cut off by shutdown go back to due at once (release.lua)."""
+        """Occurrences begun but cut off by shutdown go back to due at once (release.lua).
+
+        When Redis cannot be reached they stay held, and their leases expire instead.
+        """
         if not self._holding:
             return 0
         by_shard: dict[int, list[tuple[str, int]]] = defaultdict(list)
         for (shard, member), token in self._holding.items():
             by_shard[shard].append((member, token))
-        self._holding.clear()
         with contextlib.suppress(*transient.ERRORS):
             codes = await self.index.release(dict(by_shard))
+            self._holding.clear()
             released = sum(sum(c) for c in codes.values())
             log.info(
                 "occurrences handed back", extra={"action": "released", "occurrences": released}

@@ -15,7 +15,7 @@ from services.executor.secrets import SigningSecrets
 from services.executor.targets import AmqpTargets, Webhooks
 from shared import amqp, spans, transient
 from shared.config import ExecutorSettings
-from shared.service import ServiceBase, Tasks
+from shared.service import ServiceBase, Tasks, finish_budget_s
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,18 @@ class ExecutorService(ServiceBase):
         self.spans = spans.open_spans(settings.otlp_endpoint, self.name)
         self.consuming = False
         self._messages: set[asyncio.Task[None]] = set()
+        self._executor: Executor | None = None
+        self._audit: AuditWriter | None = None
+
+    def left_behind(self) -> dict[str, int]:
+        """Delivery messages not settled go back to the broker when the connection drops;
+        occurrences still leased are reclaimed by the sweeper; audit rows are lost."""
+        counts = super().left_behind()
+        counts["delivery_messages"] = len(self._messages)
+        counts["leased_occurrences"] = self._executor.holding() if self._executor else 0
+        if self._audit is not None:
+            counts["audit_rows"] = len(self._audit.rows) + len(self._audit.checkpoints)
+        return counts
 
     def readiness(self) -> dict[str, bool]:
         status = super().readiness()
@@ -50,10 +62,10 @@ class ExecutorService(ServiceBase):
         audit: AuditWriter | None = None
         try:
             await connections.open(stopping, tasks)
-            audit = AuditWriter(
+            audit = self._audit = AuditWriter(
                 connections.store, settings.audit_flush_ms, settings.audit_buffer_max
             )
-            executor = Executor(
+            executor = self._executor = Executor(
                 settings,
                 connections.index,
                 webhooks,
@@ -66,7 +78,7 @@ class ExecutorService(ServiceBase):
             await self._serve(stopping, tasks, executor, audit)
         finally:
             if audit is not None:
-                await audit.close(timeout_s=5)
+                await audit.close(timeout_s=1)
             await webhooks.close()
             await connections.close()
             if self.spans is not None:
@@ -95,24 +107,27 @@ class ExecutorService(ServiceBase):
         log.info("executor ready", extra={"action": "ready"})
         await stopping.wait()
         await self._shut_down(queue, consumer_tag, executor)
-        await tasks.wait_all(5)
+        await tasks.wait_all(1)
 
     async def _shut_down(self, queue: AbstractQueue, consumer_tag: str, executor: Executor) -> None:
         """Stop consuming, finish in-flight deliveries within the grace period, and hand the
         rest back: messages not started go back to the broker, occurrences cut off mid-way go
         straight back to due (so nothing stays leased until the sweeper notices)."""
         self.consuming = False
-        with contextlib.suppress(*transient.ERRORS):
-            await queue.cancel(consumer_tag)
+        with contextlib.suppress(TimeoutError, *transient.ERRORS):
+            # With the broker away the cancel cannot be sent (nor is it needed).
+            await asyncio.wait_for(queue.cancel(consumer_tag), 1)
         if self._messages:
             log.info(
                 "finishing deliveries in flight",
                 extra={"action": "draining", "messages": len(self._messages)},
             )
-            _, pending = await asyncio.wait(self._messages, timeout=self.settings.shutdown_grace_s)
+            _, pending = await asyncio.wait(
+                self._messages, timeout=finish_budget_s(self.settings.shutdown_grace_s)
+            )
             for task in pending:
                 task.cancel()
             if pending:
-                await asyncio.wait(pending, timeout=5)
+                await asyncio.wait(pending, timeout=1)
         await executor.drain()
         await executor.release_abandoned()

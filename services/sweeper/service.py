@@ -7,7 +7,7 @@ import logging
 
 from services.sweeper.sweeper import Sweeper
 from shared.config import SweeperSettings
-from shared.service import ServiceBase, Tasks
+from shared.service import ServiceBase, Tasks, finish_budget_s
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,6 @@ class SweeperService(ServiceBase):
             log.info("sweeper ready", extra={"action": "ready"})
             await stopping.wait()
             # The loop finishes the step it is in (the lock expires if it cannot).
-            await tasks.wait_all(self.settings.shutdown_grace_s)
+            await tasks.wait_all(finish_budget_s(self.settings.shutdown_grace_s))
         finally:
             await connections.close()

@@ -5,6 +5,20 @@ SELECT namespace, id, version, state, definition, compact, priority, labels, fir
 FROM schedules
 WHERE namespace = $1 AND id = $2;
 
+-- get_schedules_and_audit --
+-- Many schedules (any namespaces, any state) and the audit rows of the gets that asked.
+WITH audit AS (
+    INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
+                          correlation_id, body, outcome, error, version, reply)
+    SELECT * FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+                         $8::text[], $9::text[], $10::jsonb[], $11::text[], $12::jsonb[],
+                         $13::bigint[], $14::jsonb[])
+)
+SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
+       last_fire_at, next_fire_at, created_at, updated_at
+FROM schedules
+WHERE (namespace, id) IN (SELECT * FROM unnest($1::text[], $2::text[]));
+
 -- lock_schedule --
 -- One schedule, locked until the command's transaction ends.
 SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
@@ -49,10 +63,63 @@ INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
                       correlation_id, body, outcome, error, version, reply)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10::jsonb, $11, $12::jsonb);
 
--- applied_reply --
--- The reply of a command already applied under a message id (a redelivery is answered).
-SELECT reply FROM commands
-WHERE message_id = $3 AND namespace = $1 AND verb = $2 AND outcome = 'ok'
+-- lock_schedule_keys --
+-- Schedules of any namespaces, locked until the transaction ends, and the transaction's
+-- timestamp (what now() writes as updated_at): one row with NULLs when none is stored yet.
+WITH locked AS (
+    SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
+           last_fire_at, next_fire_at, created_at, updated_at
+    FROM schedules
+    WHERE (namespace, id) IN (SELECT * FROM unnest($1::text[], $2::text[]))
+    ORDER BY namespace, id
+    FOR UPDATE
+)
+SELECT floor(extract(epoch FROM now()) * 1000)::bigint AS txn_now_ms, locked.*
+FROM (SELECT 1) AS one LEFT JOIN locked ON true;
+
+-- put_schedules_and_audit --
+-- Group commit: create or replace the schedules and write the commands' audit rows, in one
+-- statement. A NULL rotation_version keeps the stored one (the rotation goes on).
+WITH put AS (
+    INSERT INTO schedules AS s (namespace, id, version, state, definition, compact, priority,
+                                labels, fires, last_fire_at, next_fire_at, rotation_version)
+    SELECT r.namespace, r.id, r.version, r.state, r.definition, r.compact, r.priority, r.labels,
+           r.fires, to_timestamp(r.last_fire_ms / 1000.0), to_timestamp(r.next_fire_ms / 1000.0),
+           r.rotation_version
+    FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::jsonb[], $6::bytea[],
+                $7::int[], $8::jsonb[], $9::bigint[], $10::bigint[], $11::bigint[],
+                $12::bigint[])
+         AS r(namespace, id, version, state, definition, compact, priority, labels, fires,
+              last_fire_ms, next_fire_ms, rotation_version)
+    ON CONFLICT (namespace, id) DO UPDATE
+    SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.definition,
+        compact = EXCLUDED.compact, priority = EXCLUDED.priority, labels = EXCLUDED.labels,
+        fires = EXCLUDED.fires, last_fire_at = EXCLUDED.last_fire_at,
+        next_fire_at = EXCLUDED.next_fire_at,
+        rotation_version = COALESCE(EXCLUDED.rotation_version, s.rotation_version),
+        updated_at = now(),
+        created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END
+), audit AS (
+    INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
+                          correlation_id, body, outcome, error, version, reply)
+    SELECT * FROM unnest($13::text[], $14::text[], $15::text[], $16::text[], $17::text[],
+                         $18::text[], $19::text[], $20::jsonb[], $21::text[], $22::jsonb[],
+                         $23::bigint[], $24::jsonb[])
+)
+SELECT 1;
+
+-- applied_commands --
+-- The commands last applied under any of these message ids (group commit's replay check; the
+-- caller keeps the rows of its own namespaces).
+SELECT DISTINCT ON (namespace, message_id) namespace, message_id, verb, body, reply
+FROM commands
+WHERE message_id = ANY($1::text[]) AND outcome = 'ok' AND verb NOT IN ('get', 'list')
+ORDER BY namespace, message_id, seq DESC;
+
+-- applied_command --
+-- The command last applied under a message id in a namespace (a redelivery is answered).
+SELECT verb, body, reply FROM commands
+WHERE message_id = $2 AND namespace = $1 AND outcome = 'ok' AND verb NOT IN ('get', 'list')
 ORDER BY seq DESC
 LIMIT 1;
 

@@ -363,3 +363,142 @@ async def test_a_redelivered_command_is_answered_not_applied_twice(
     assert await sink.wait_for(lambda s: len(s.received) >= 1, 10)
     await asyncio.sleep(1.5)
     assert [r.fire_time for r in sink.received] == [trigger["trigger"]["fire_time"]]
+
+
+async def test_a_reused_message_id_replays_only_the_same_command(
+    stack: Stack, sink: Sink, client: CommandClient
+) -> None:
+    await stack.start_all(("dispatcher",))
+    first = await client.send(
+        "acme", "upsert", {"schedule": every(sink, "m1", 3600)}, message_id="reused"
+    )
+    assert first["ok"] is True
+    other = await client.send(
+        "acme", "upsert", {"schedule": every(sink, "m2", 3600)}, message_id="reused"
+    )
+    assert other["ok"] is False and other["error"]["code"] == "conflict", other
+    assert other["error"]["details"][0]["field"] == "message_id"
+    missing = await client.send("acme", "get", {"id": "m2"})
+    assert missing["error"]["code"] == "not_found"
+    another_verb = await client.send("acme", "delete", {"id": "m1"}, message_id="reused")
+    assert another_verb["error"]["code"] == "conflict"
+    assert (await client.send("acme", "get", {"id": "m1"}))["ok"] is True
+
+    # The same command, spelled with other spacing and key order, is a replay.
+    same = codec.loads(codec.dumps({"schedule": every(sink, "m1", 3600)}))
+    reordered = b'{ "schedule" : ' + codec.dumps(dict(reversed(same["schedule"].items()))) + b"}"
+    replay = await client.send("acme", "upsert", reordered, message_id="reused")
+    assert replay["duplicate"] is True and replay["schedule"]["version"] == 1
+    # Message ids are the tenant's own: another namespace may use the same one.
+    elsewhere = await client.send(
+        "globex", "upsert", {"schedule": every(sink, "m2", 3600)}, message_id="reused"
+    )
+    assert elsewhere["ok"] is True and "duplicate" not in elsewhere
+
+
+async def test_upsert_many_applies_or_refuses_each_schedule_on_its_own(
+    stack: Stack,
+    sink: Sink,
+    client: CommandClient,
+    endpoints: services.Endpoints,
+    redis_prefix: str,
+    database_url: str,
+) -> None:
+    await stack.start_all(("dispatcher",))
+    existing = await client.send("bulk", "upsert", {"schedule": every(sink, "s1", 3600)})
+    assert existing["schedule"]["version"] == 1
+    schedules: list[Any] = [
+        every(sink, "s0", 3600),
+        every(sink, "s1", 1800),  # replaces version 1
+        {**every(sink, "bad", 3600), "spec": {"kind": "cron", "expr": "0 25 * * *"}},
+        "not a schedule",
+        every(sink, "s0", 60),  # the same schedule again: applied after the first
+        {**every(sink, "nul\x00", 3600)},
+        *[every(sink, f"m{i}", 3600) for i in range(994)],
+    ]
+    reply = await client.send("bulk", "upsert_many", {"schedules": schedules}, timeout_s=60)
+    assert reply["ok"] is True
+    results = reply["results"]
+    assert len(results) == 1000
+    assert results[:2] == [
+        {"id": "s0", "ok": True, "version": 1},
+        {"id": "s1", "ok": True, "version": 2},
+    ]
+    assert results[2]["id"] == "bad" and results[2]["ok"] is False
+    assert results[2]["error"]["code"] == "invalid_schedule"
+    assert results[2]["error"]["details"][0]["field"] == "spec.expr"
+    assert results[3] == {
+        "id": None,
+        "ok": False,
+        "error": {
+            "code": "invalid_schedule",
+            "message": "(schedule): must be an object",
+            "details": [{"field": "(schedule)", "reason": "must be an object"}],
+        },
+    }
+    assert results[4] == {"id": "s0", "ok": True, "version": 2}
+    assert results[5]["ok"] is False and results[5]["error"]["details"][0]["field"] == "id"
+    assert all(r["ok"] and r["version"] == 1 for r in results[6:])
+
+    # Each applied schedule is what a single upsert would have made, in PostgreSQL and Redis.
+    got = await client.send("bulk", "get", {"id": "s0"})
+    assert got["schedule"]["version"] == 2 and got["schedule"]["spec"]["every_s"] == 60
+    members = await index_members(endpoints, redis_prefix)
+    assert members == {"bulk/s0", "bulk/s1", *{f"bulk/m{i}" for i in range(994)}}
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM schedules") == 996
+        audited = await conn.fetchrow(
+            "SELECT outcome, reply FROM commands WHERE verb = 'upsert_many'"
+        )
+        assert audited is not None and audited["outcome"] == "ok"
+        assert len(codec.loads(audited["reply"])["results"]) == 1000
+    finally:
+        await conn.close()
+
+    # More than 1000 is refused whole; so is a command over CRONBUS_MAX_COMMAND_BYTES.
+    too_many = await client.send(
+        "bulk", "upsert_many", {"schedules": [every(sink, f"x{i}", 60) for i in range(1001)]}
+    )
+    assert too_many["error"]["code"] == "invalid_command"
+    assert too_many["error"]["details"][0]["field"] == "schedules"
+
+
+async def test_commands_on_one_schedule_apply_in_arrival_order_under_load(
+    stack: Stack, sink: Sink, client: CommandClient
+) -> None:
+    """Hundreds of interleaved commands in flight at once (group commit batches them): each
+    schedule sees its own commands in the order they were published."""
+    await stack.start_all(("dispatcher",))
+    schedules, rounds = 20, 30
+    sent: list[tuple[str, int, str]] = []
+    for r in range(rounds):
+        for k in range(schedules):
+            verb = "pause" if r % 10 == 5 else "resume" if r % 10 == 6 else "upsert"
+            sent.append((f"o{k}", r, verb))
+    replies = await asyncio.gather(
+        *(
+            client.send(
+                "order",
+                verb,
+                {"id": sid}
+                if verb != "upsert"
+                else {"schedule": every(sink, sid, 60 + r, paused=r % 10 == 5)},
+            )
+            for sid, r, verb in sent
+        )
+    )
+    assert all(reply["ok"] for reply in replies), [r for r in replies if not r["ok"]][:3]
+    for k in range(schedules):
+        mine = [
+            (r, verb, reply)
+            for (sid, r, verb), reply in zip(sent, replies, strict=True)
+            if sid == f"o{k}"
+        ]
+        versions = [reply["schedule"]["version"] for _, _, reply in mine]
+        # Every command changed the schedule (pause after an upsert, resume after a pause):
+        # in publish order, each reply is the next version.
+        assert versions == list(range(1, rounds + 1)), versions
+        got = await client.send("order", "get", {"id": f"o{k}"})
+        assert got["schedule"]["version"] == rounds
+        assert got["schedule"]["spec"]["every_s"] == 60 + rounds - 1

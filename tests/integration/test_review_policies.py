@@ -14,6 +14,7 @@ import pytest
 from aio_pika.abc import AbstractRobustConnection
 
 from cronbus.sink import Sink
+from services.dispatcher import batch
 from services.dispatcher.intake import Intake
 from services.sweeper.sweeper import TOMBSTONE_KEEP_MS, Sweeper
 from shared import amqp, bulk, codec, delivery, netpolicy, timefmt, validation
@@ -411,9 +412,11 @@ async def test_a_once_paused_right_after_it_fired_does_not_fire_again_on_resume(
         await executor.process(live)  # delivered and finished in Redis
         await executor.drain()
         # Paused before the executor's audit batch (the checkpoint) lands; resumed later.
-        await intake.pause("ex", "s", CommandAudit("ex", "pause", "s", "ok"))
+        pause = CommandAudit("ex", "pause", "s", "ok")
+        await intake.apply_batch([batch.ChangeItem("ex", "s", "pause", pause)])
         assert await audit.flush()
-        await intake.resume("ex", "s", CommandAudit("ex", "resume", "s", "ok"))
+        resume = CommandAudit("ex", "resume", "s", "ok")
+        await intake.apply_batch([batch.ChangeItem("ex", "s", "resume", resume)])
         again = [c for r in await index.claim(range(index.shards), 10, 30_000) for c in r.claimed]
         if again:
             [second] = await executor.hold(delivery.decode(delivery.encode(again)))

@@ -60,3 +60,21 @@ class Stack:
         return "\n".join(
             f"--- {p.name} ({p.log.name}) ---\n{p.tail()}" for ps in self.procs.values() for p in ps
         )
+
+
+async def time_exits(procs: list[Proc], timeout_s: float) -> dict[str, float]:
+    """SIGTERM every process at once; seconds until each one exited (killed after timeout)."""
+    started = time.monotonic()
+    for proc in procs:
+        proc.signal(signal.SIGTERM)
+    exits: dict[str, float] = {}
+    while len(exits) < len(procs) and time.monotonic() - started < timeout_s:
+        for proc in procs:
+            if proc.name not in exits and proc.popen.poll() is not None:
+                exits[proc.name] = time.monotonic() - started
+        await asyncio.sleep(0.02)
+    for proc in procs:
+        if proc.alive():
+            proc.popen.kill()
+            proc.popen.wait()
+    return exits

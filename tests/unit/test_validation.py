@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shared import models, timefmt, validation
+from shared import schedule as schedule_math
 from shared.errors import ValidationFailed
 
 NOW = timefmt.parse_rfc3339_ms("2026-11-22T12:00:00Z")
@@ -345,3 +348,189 @@ def test_operator_policy_limits_hosts_exchanges_and_bodies() -> None:
     )
     assert isinstance(ok, models.UpsertCommand)
     validation.check_schedule(ok.schedule, 1, NOW, policy)
+
+
+def _webhook(**target: Any) -> dict[str, Any]:
+    return {"schedule": schedule(target={"kind": "webhook", "url": "http://sink:8080/h", **target})}
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "reason"),
+    [
+        ({"schedule": schedule(id="a\x00b")}, "id", "NUL"),
+        (_webhook(body={"deep": [{"x": "\x00"}]}), "target.body.deep[0].x", "NUL"),
+        ({"schedule": schedule(labels={"k\x00": "v"})}, "labels.'k\\x00'", "NUL"),
+        ({"schedule": schedule(id="a\n")}, "id", "letters, digits"),
+        ({"schedule": schedule(labels={"team\n": "x"})}, "labels", "label key"),
+        ({"schedule": schedule(labels={"team": "x\x1by"})}, "labels", "control"),
+        (_webhook(headers={"X-A\n": "v"}), "target.headers", "header name"),
+        (_webhook(headers={"X-A": "v\x7f"}), "target.headers", "control"),
+        (_webhook(url="https://[::1/"), "target.url", "malformed host or port"),
+        (_webhook(url="http://sink:99999/"), "target.url", "malformed host or port"),
+        (_webhook(url="http://sink:0/"), "target.url", "between 1 and 65535"),
+        (_webhook(url="http://sink/a\x01b"), "target.url", "control"),
+        (
+            {
+                "schedule": schedule(
+                    spec={"kind": "cron", "expr": "* * * * *", "timezone": "America"}
+                )
+            },
+            "spec.timezone",
+            "unknown time zone",
+        ),
+        (
+            {"schedule": schedule(spec={"kind": "once", "at": "0001-01-01T00:00:00+01:00"})},
+            "spec.at",
+            "1970-9999",
+        ),
+        (
+            {
+                "schedule": schedule(
+                    spec={"kind": "interval", "every_s": 1, "end_at": "9999-12-31T23:00:00-05:00"}
+                )
+            },
+            "spec.end_at",
+            "1970-9999",
+        ),
+        (
+            {
+                "schedule": schedule(
+                    spec={"kind": "interval", "every_s": 1, "start_at": "1969-12-31T23:59:59Z"}
+                )
+            },
+            "spec.start_at",
+            "between 1970-01-01T00:00:00Z and 9999-12-31T23:59:59.999Z",
+        ),
+        (
+            {"schedule": schedule(target={"kind": "amqp", "exchange": "jobs\r\n"})},
+            "target.exchange",
+            "control",
+        ),
+    ],
+)
+def test_hostile_values_are_field_errors(body: Any, field: str, reason: str) -> None:
+    error = refused("upsert", body)
+    assert error.code == "invalid_schedule"
+    assert any(d["field"] == field and reason in d["reason"] for d in error.details), error.details
+
+
+def test_a_nul_in_another_command_names_its_field() -> None:
+    error = refused("list", {"labels": {"team": "a\x00"}})
+    assert error.code == "invalid_command"
+    assert error.details == [{"field": "labels.team", "reason": validation.NUL_REASON}]
+    assert refused("upsert", {"schedule": schedule(), "x\x00": 1}).details[0]["field"] == (
+        "'x\\x00'"
+    )
+
+
+def test_namespaces_refuse_a_trailing_newline() -> None:
+    with pytest.raises(ValidationFailed):
+        validation.check_namespace("acme\n")
+    validation.check_namespace("acme")
+
+
+def test_message_and_correlation_ids_must_be_printable() -> None:
+    validation.check_properties("m-1", None)
+    with pytest.raises(ValidationFailed) as caught:
+        validation.check_properties("m\x00", "c\n")
+    assert [d["field"] for d in caught.value.details] == ["message_id", "correlation_id"]
+
+
+def test_an_interval_ends_at_the_last_fire_before_the_year_10000() -> None:
+    command = validation.parse_command(
+        "upsert",
+        {
+            "schedule": schedule(
+                spec={"kind": "interval", "every_s": 86400, "start_at": "9999-12-30T00:00:00Z"}
+            )
+        },
+    )
+    assert isinstance(command, models.UpsertCommand)
+    plan = validation.check_schedule(
+        command.schedule,
+        1,
+        timefmt.parse_rfc3339_ms("9999-12-29T00:00:00Z"),
+        validation.TargetPolicy(),
+    )
+    upcoming = schedule_math.upcoming(plan, timefmt.parse_rfc3339_ms("9999-12-29T00:00:00Z"), 5)
+    assert [timefmt.format_ms(t) for t in upcoming] == [
+        "9999-12-30T00:00:00Z",
+        "9999-12-31T00:00:00Z",
+    ]
+
+
+JSON_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+    | st.sampled_from(
+        [
+            "0001-01-01T00:00:00+01:00",
+            "9999-12-31T23:00:00-05:00",
+            "https://[::1/",
+            "http://a:99999/",
+            "America",
+            "Etc",
+            "x\x00",
+            "a\n",
+            "* * * * * *",
+            "",
+        ]
+    )
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    found = [prefix]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += _paths(item, (*prefix, key))
+    return found
+
+
+def _replaced(value: Any, path: tuple[Any, ...], new: Any) -> Any:
+    if not path:
+        return new
+    copy = dict(value)
+    copy[path[0]] = _replaced(value[path[0]], path[1:], new)
+    return copy
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), verb=st.sampled_from([*models.VERBS, "explode"]))
+def test_any_body_is_a_command_or_a_field_error(data: st.DataObject, verb: str) -> None:
+    """Whatever the body, validation answers: a command or ValidationFailed, nothing else."""
+    base: Any = {
+        "upsert": {"schedule": schedule(labels={"a": "b"}, retry={"max_attempts": 2})},
+        "list": {"limit": 5, "labels": {"a": "b"}},
+    }.get(verb, {"id": "x"})
+    if data.draw(st.booleans()):
+        path = data.draw(st.sampled_from(_paths(base)))
+        body = _replaced(base, path, data.draw(JSON_VALUES))
+    else:
+        body = data.draw(JSON_VALUES)
+    try:
+        command = validation.parse_command(verb, body)
+        if isinstance(command, models.UpsertCommand):
+            validation.check_schedule(command.schedule, 1, NOW, validation.TargetPolicy())
+    except ValidationFailed as failure:
+        assert failure.details or failure.code == "unknown_verb"
+
+
+def test_a_body_nested_too_deep_is_refused_where_it_starts() -> None:
+    deep: Any = 1
+    for _ in range(validation.MAX_DEPTH + 5):
+        deep = [deep]
+    error = refused("upsert", _webhook(body={"x": deep}))
+    assert error.details == [
+        {"field": "target.body", "reason": f"nests deeper than {validation.MAX_DEPTH} levels"}
+    ]

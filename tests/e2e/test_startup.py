@@ -1,0 +1,163 @@
+"""Start-up against a dependency that refuses the service for good (wrong credentials, a
+vhost or database that does not exist): one line naming the setting and the reason, a
+non-zero exit, within seconds. One that is only away (connection refused) is waited for."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from cronbus.procs import SERVICES
+from tests.support import services
+from tests.support.stack import Stack, time_exits
+
+GRACE_S = 5
+#: Starting Python and unwinding the interpreter are not the service's to bound.
+SLACK_S = 2
+#: A refusal is reported at once; a few seconds cover starting Python on a busy machine.
+REFUSED_WITHIN_S = 10
+
+
+def _with_login(url: str, login: str) -> str:
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, f"{login}@{host}", parts.path, parts.query, ""))
+
+
+@pytest.fixture(scope="module")
+async def good_database(
+    endpoints: services.Endpoints, template_database: str
+) -> AsyncIterator[str]:
+    """One migrated database for the module: the dependencies reached before the refused
+    one must work (no test writes to it)."""
+    name = services.unique("cronbus_start_")
+    conn = await asyncpg.connect(endpoints.database_url)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+        yield services.with_database(endpoints.database_url, name)
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+def _refusals(
+    endpoints: services.Endpoints, database_url: str
+) -> dict[str, tuple[str, dict[str, str]]]:
+    """case -> (the setting the line must name, the environment that provokes it).
+
+    Services connect to PostgreSQL, Redis, then RabbitMQ: a refused broker is reached with
+    the others working, and the broker is never logged in to (no vhost of the test's own).
+    """
+    amqp_url = endpoints.amqp_url
+    good = {
+        "CRONBUS_REDIS_URL": endpoints.redis_url,
+        "CRONBUS_REDIS_PREFIX": services.unique("cbt"),
+        "CRONBUS_AMQP_URL": amqp_url,
+        "CRONBUS_DATABASE_URL": database_url,
+    }
+    return {
+        "amqp-wrong-password": (
+            "CRONBUS_AMQP_URL",
+            {**good, "CRONBUS_AMQP_URL": _with_login(amqp_url, "guest:not-the-password")},
+        ),
+        "amqp-missing-vhost": (
+            "CRONBUS_AMQP_URL",
+            {**good, "CRONBUS_AMQP_URL": services.with_vhost(amqp_url, "no-such-vhost-cbt")},
+        ),
+        "postgres-missing-database": (
+            "CRONBUS_DATABASE_URL",
+            {
+                **good,
+                "CRONBUS_DATABASE_URL": services.with_database(database_url, "no_such_db_cbt"),
+                "CRONBUS_MIGRATE_ON_START": "false",
+            },
+        ),
+        "postgres-unknown-role": (
+            "CRONBUS_DATABASE_URL",
+            {**good, "CRONBUS_DATABASE_URL": _with_login(database_url, "no_such_role_cbt")},
+        ),
+        "redis-wrong-password": (
+            "CRONBUS_REDIS_URL",
+            {**good, "CRONBUS_REDIS_URL": _with_login(endpoints.redis_url, "nobody:secret")},
+        ),
+    }
+
+
+CASES = [
+    (service, case)
+    for case in (
+        "amqp-wrong-password",
+        "amqp-missing-vhost",
+        "postgres-missing-database",
+        "postgres-unknown-role",
+        "redis-wrong-password",
+    )
+    for service in SERVICES
+    if not (case.startswith("amqp") and service == "sweeper")  # the sweeper needs no broker
+]
+
+
+@pytest.mark.parametrize(("service", "case"), CASES)
+def test_a_refused_connection_stops_the_start_with_one_line(
+    service: str, case: str, endpoints: services.Endpoints, good_database: str
+) -> None:
+    setting, env = _refusals(endpoints, good_database)[case]
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", f"services.{service}"],
+        env={**os.environ, **env, "CRONBUS_METRICS_PORT": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    took = time.monotonic() - started
+    naming = [line for line in result.stderr.splitlines() if setting in line]
+    assert result.returncode == 2, result.stderr
+    assert naming == [naming[0]] and naming[0].startswith(f"cronbus {service}: {setting}: "), (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    assert "secret" not in result.stderr and "not-the-password" not in result.stderr
+    assert took < REFUSED_WITHIN_S, (took, result.stderr)
+    print(f"\n{service} {case}: {naming[0]} ({took:.1f}s)")
+
+
+async def test_a_dependency_that_is_only_away_is_waited_for(tmp_path: Path) -> None:
+    """Connection refused is not a refusal: each service waits, says so on /readyz, and
+    still stops on SIGTERM within the grace period."""
+    closed = services.free_port()
+    stack = Stack(
+        {
+            "CRONBUS_REDIS_URL": f"redis://127.0.0.1:{closed}/0",
+            "CRONBUS_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{closed}/x",
+            "CRONBUS_AMQP_URL": f"amqp://guest:guest@127.0.0.1:{closed}/",
+            "CRONBUS_SHUTDOWN_GRACE_S": str(GRACE_S),
+        },
+        tmp_path,
+    )
+    try:
+        procs = [stack.start(name) for name in SERVICES]
+        deadline = time.monotonic() + 30
+        for proc in procs:
+            while (await asyncio.to_thread(proc.get, "/readyz"))[0] != 503:
+                assert proc.alive(), proc.tail()
+                assert time.monotonic() < deadline, proc.tail()
+                await asyncio.sleep(0.2)
+        await asyncio.sleep(2)
+        assert all(proc.alive() for proc in procs), stack.tails()
+        exits = await time_exits(procs, GRACE_S + SLACK_S + 10)
+    finally:
+        stack.stop_all()
+    for proc in procs:
+        assert exits.get(proc.name, float("inf")) <= GRACE_S + SLACK_S, proc.tail()
+        assert proc.popen.returncode == 0, proc.tail()

@@ -1,0 +1,80 @@
+"""Many upserts applied as one: each item as a single upsert would be (pure)."""
+
+from __future__ import annotations
+
+from services.dispatcher import batch
+from shared import models, timefmt, validation
+from shared.errors import ValidationFailed
+
+NOW = timefmt.parse_rfc3339_ms("2027-01-01T00:00:00Z")
+
+
+def item(schedule_id: str, every_s: int, expected: int | None = None) -> batch.UpsertItem:
+    schedule = models.Schedule.model_validate(
+        {
+            "id": schedule_id,
+            "spec": {"kind": "interval", "every_s": every_s},
+            "target": {"kind": "webhook", "url": "http://billing.example:9/h"},
+        }
+    )
+    plan = validation.check_schedule(schedule, 0, NOW, validation.TargetPolicy())
+    return batch.UpsertItem("ns", schedule, plan, expected)
+
+
+def test_items_apply_in_order_and_a_conflict_refuses_only_itself() -> None:
+    effect = batch.apply_upserts(
+        [item("a", 60), item("b", 60, expected=3), item("a", 120, expected=1), item("c", 60)],
+        {},
+        NOW,
+        NOW + 5,
+    )
+    first, conflict, second, other = effect.results
+    assert isinstance(first, dict) and first["created"] is True
+    assert first["schedule"]["version"] == 1
+    assert isinstance(conflict, ValidationFailed) and conflict.code == "version_conflict"
+    assert isinstance(second, dict) and second["created"] is False
+    assert second["schedule"]["version"] == 2 and second["schedule"]["spec"]["every_s"] == 120
+    assert isinstance(other, dict) and other["schedule"]["version"] == 1
+    # One row and one index write per schedule: the last one.
+    assert {k: r.version for k, r in effect.rows.items()} == {("ns", "a"): 2, ("ns", "c"): 1}
+    write, version = effect.index_writes[("ns", "a")]
+    assert write is not None and version == 2
+    assert second["schedule"]["updated_at"] == timefmt.format_ms(NOW + 5)
+
+
+def test_pause_resume_and_delete_apply_in_order_with_upserts() -> None:
+    effect = batch.apply_upserts(
+        [
+            item("a", 60),
+            batch.ChangeItem("ns", "a", "pause"),
+            batch.ChangeItem("ns", "a", "pause"),
+            batch.ChangeItem("ns", "a", "resume"),
+            batch.ChangeItem("ns", "a", "delete"),
+            batch.ChangeItem("ns", "a", "resume"),
+            batch.ChangeItem("ns", "b", "delete"),
+        ],
+        {},
+        NOW,
+        NOW,
+    )
+    _, paused, unchanged, resumed, deleted, after_delete, missing = effect.results
+    assert isinstance(paused, dict) and paused["schedule"]["state"] == "paused"
+    assert isinstance(unchanged, dict) and unchanged["unchanged"] is True
+    assert unchanged["schedule"]["version"] == 2
+    assert isinstance(resumed, dict) and resumed["schedule"]["state"] == "active"
+    assert isinstance(deleted, dict) and deleted["schedule"]["version"] == 4
+    assert isinstance(after_delete, ValidationFailed) and after_delete.code == "not_found"
+    assert isinstance(missing, ValidationFailed) and missing.code == "not_found"
+    assert effect.rows[("ns", "a")].state == "deleted"
+    assert effect.index_writes[("ns", "a")] == (None, 4)  # removed from the index
+
+
+def test_a_message_id_replays_the_same_command_and_refuses_another() -> None:
+    first = batch.ChangeItem("ns", "a", "pause", message_id="m", body={"id": "a"})
+    again = batch.ChangeItem("ns", "a", "pause", message_id="m", body={"id": "a"})
+    other = batch.ChangeItem("ns", "a", "resume", message_id="m", body={"id": "a"})
+    effect = batch.apply_upserts([item("a", 60), first, again, other], {}, NOW, NOW)
+    _, paused, replay, conflict = effect.results
+    assert isinstance(paused, dict) and isinstance(replay, dict)
+    assert replay == {**paused, "duplicate": True}
+    assert isinstance(conflict, ValidationFailed) and conflict.code == "conflict"
