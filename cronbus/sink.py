@@ -31,6 +31,9 @@ class Received:
     path: str
     headers: dict[str, str]
     body: bytes
+    #: The status answered, and when the answer was written (0 until then).
+    status: int = 0
+    answered_ms: float = 0.0
 
     @property
     def key(self) -> str:
@@ -63,6 +66,8 @@ class Sink:
     delay_s: float = 0.0
     #: Extra response headers by status, e.g. ``{429: {"Retry-After": "3"}}``.
     headers_by_status: dict[int, dict[str, str]] = field(default_factory=dict)
+    #: Per-request delay in seconds instead of ``delay_s`` (targets of several speeds).
+    delay_for: Callable[[Received], float] | None = None
     received: list[Received] = field(default_factory=list)
     count: int = 0
     port: int = 0
@@ -97,7 +102,8 @@ class Sink:
         if self.on_receive is not None:
             self.on_receive(request)
         self._arrived.set()
-        return self.respond(request)
+        request.status = self.respond(request)
+        return request.status
 
     async def wait_for(self, predicate: Callable[[Sink], bool], timeout_s: float) -> bool:
         """Wait until ``predicate(self)`` holds (checked at each arrival), or the timeout."""
@@ -119,6 +125,9 @@ class _Protocol(asyncio.Protocol):
         self.sink = sink
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
+        #: When the last reply on this connection goes out (loop time): replies keep the
+        #: request order even when their delays differ.
+        self.free_at = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but behave as one.
@@ -150,16 +159,21 @@ class _Protocol(asyncio.Protocol):
             return False
         body = bytes(self.buffer[end + 4 : end + 4 + length])
         del self.buffer[: end + 4 + length]
-        status = self.sink.record(Received(time.time() * 1000, method, path, headers, body))
+        request = Received(time.time() * 1000, method, path, headers, body)
+        status = self.sink.record(request)
         close = headers.get("connection", "").lower() == "close"
-        if self.sink.delay_s > 0:
-            # The same delay for every request keeps the replies in request order.
-            asyncio.get_running_loop().call_later(self.sink.delay_s, self._reply, status, close)
+        delay = self.sink.delay_s if self.sink.delay_for is None else self.sink.delay_for(request)
+        loop = asyncio.get_running_loop()
+        if delay > 0 or self.free_at > loop.time():
+            self.free_at = max(loop.time() + delay, self.free_at)
+            loop.call_at(self.free_at, self._reply, status, close, request)
         else:
-            self._reply(status, close)
+            self._reply(status, close, request)
         return True
 
-    def _reply(self, status: int, close: bool = False) -> None:
+    def _reply(self, status: int, close: bool = False, request: Received | None = None) -> None:
+        if request is not None:
+            request.answered_ms = time.time() * 1000
         if self.transport is None or self.transport.is_closing():
             return
         reason = _REASONS.get(status, "Status")

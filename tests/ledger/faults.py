@@ -1,0 +1,179 @@
+"""The ledger's faults, each applied to private servers (tests/support/private.py) and to the
+services of one stack, and timed: a fault window starts when the fault begins and ends when
+what it broke is back (a service ready again, a dependency answering, a rebuild done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from tests.ledger import oracle
+from tests.support import private
+from tests.support.stack import Stack
+
+#: Every fault, in the order one pass applies them.
+FAULTS = (
+    "kill9-executor",
+    "kill9-dispatcher",
+    "kill9-sweeper",
+    "redis-flushall",
+    "trigger-durable",
+    "redis-old-snapshot",
+    "postgres-restart",
+    "broker-restart",
+    "overload",
+)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class Kit:
+    """What the faults act on, and the driver's hooks for the faults that need commands."""
+
+    stack: Stack
+    servers: private.PrivateServices
+    prefix: str
+    rng: random.Random
+    #: Sends a few triggers (used while the executors are down).
+    send_triggers: Callable[[], Awaitable[None]]
+    #: Loads many schedules due at one instant and waits until they have been delivered.
+    burst: Callable[[], Awaitable[None]]
+    snapshot: Path | None = None
+
+    async def redis(self) -> aioredis.Redis:
+        return aioredis.Redis.from_url(self.servers.redis.url)
+
+    async def take_snapshot(self) -> None:
+        """SAVE an RDB of the index as it is now, for the old-snapshot fault later."""
+        client = await self.redis()
+        try:
+            await client.save()
+        finally:
+            await client.aclose()
+        directory = self.servers.redis.directory
+        self.snapshot = directory / "ledger-old.rdb"
+        shutil.copyfile(directory / "dump.rdb", self.snapshot)
+
+    async def restart(self, name: str, pause_s: float = 0.0) -> None:
+        """kill -9 one running process of a service, then start a new one and wait for it."""
+        running = self.stack.running(name)
+        if running:
+            self.stack.kill(self.rng.choice(running), signal.SIGKILL)
+        await asyncio.sleep(pause_s)
+        await self.stack.wait_ready(self.stack.start(name), timeout_s=60)
+
+    async def all_ready(self) -> None:
+        for name in ("dispatcher", "executor", "sweeper"):
+            for proc in self.stack.running(name):
+                await self.stack.wait_ready(proc, timeout_s=90)
+
+    async def flushall(self) -> None:
+        client = await self.redis()
+        try:
+            await client.flushall()
+        finally:
+            await client.aclose()
+
+    async def wait_rebuilt(self, timeout_s: float = 60) -> None:
+        """Until the sweeper has rebuilt the index (the epoch is back)."""
+        client = await self.redis()
+        try:
+            deadline = time.monotonic() + timeout_s
+            while await client.get(f"{self.prefix}:meta:epoch") is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError("the index was not rebuilt within the time allowed")
+                await asyncio.sleep(0.2)
+        finally:
+            await client.aclose()
+
+
+async def _kill_executor(kit: Kit) -> None:
+    await kit.restart("executor", kit.rng.uniform(0, 1))
+
+
+async def _kill_dispatcher(kit: Kit) -> None:
+    await kit.restart("dispatcher", kit.rng.uniform(0, 1))
+
+
+async def _kill_sweeper(kit: Kit) -> None:
+    # The sweeper is away long enough for leases to expire without it.
+    await kit.restart("sweeper", 2)
+
+
+async def _redis_flushall(kit: Kit) -> None:
+    await kit.flushall()
+    await kit.wait_rebuilt()
+
+
+async def _trigger_durable(kit: Kit) -> None:
+    """Triggers accepted while no executor runs, then Redis loses everything: they must still
+    be delivered (they are kept in PostgreSQL until they complete)."""
+    executors = kit.stack.running("executor")
+    for proc in executors:
+        kit.stack.kill(proc, signal.SIGKILL)
+    await kit.send_triggers()
+    await kit.flushall()
+    await kit.wait_rebuilt()
+    for _ in executors:
+        await kit.stack.wait_ready(kit.stack.start("executor"), timeout_s=60)
+
+
+async def _redis_old_snapshot(kit: Kit) -> None:
+    """Redis restarted from an RDB saved early in the run: the index goes back in time (with
+    its epoch), while PostgreSQL moved on (deletes, resets, fires)."""
+    assert kit.snapshot is not None, "take_snapshot() first"
+    redis = kit.servers.redis
+    await asyncio.to_thread(redis.stop)
+    shutil.copyfile(kit.snapshot, redis.directory / "dump.rdb")
+    await asyncio.to_thread(redis.start)
+    await kit.all_ready()
+
+
+async def _postgres_restart(kit: Kit) -> None:
+    await asyncio.to_thread(kit.servers.postgres.stop)
+    await asyncio.sleep(2)
+    await asyncio.to_thread(kit.servers.postgres.start)
+    await kit.all_ready()
+
+
+async def _broker_restart(kit: Kit) -> None:
+    await asyncio.to_thread(kit.servers.rabbit.stop_app)
+    await asyncio.sleep(2)
+    await asyncio.to_thread(kit.servers.rabbit.start_app)
+    await kit.all_ready()
+
+
+async def _overload(kit: Kit) -> None:
+    await kit.burst()
+
+
+ACTIONS: dict[str, Callable[[Kit], Awaitable[None]]] = {
+    "kill9-executor": _kill_executor,
+    "kill9-dispatcher": _kill_dispatcher,
+    "kill9-sweeper": _kill_sweeper,
+    "redis-flushall": _redis_flushall,
+    "trigger-durable": _trigger_durable,
+    "redis-old-snapshot": _redis_old_snapshot,
+    "postgres-restart": _postgres_restart,
+    "broker-restart": _broker_restart,
+    "overload": _overload,
+}
+
+
+async def apply(name: str, kit: Kit) -> oracle.Fault:
+    """Apply one fault; its window runs from the start until what it broke is back."""
+    started = now_ms()
+    await ACTIONS[name](kit)
+    return oracle.Fault(name, started, now_ms())

@@ -1,0 +1,341 @@
+"""The ledger's oracle on hand-made histories (pure: no services, no I/O)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared import schedule, timefmt
+from tests.ledger import mix, oracle
+
+NS = "ledger"
+T0 = 1_800_000_000_000  # a whole second, 2027-01-15
+SLACK = 10
+
+
+def plan(spec: dict[str, Any], policy: str = "fire_all", jitter_s: float = 0) -> Any:
+    return mix.plan_of_body(
+        {
+            "id": "s",
+            "spec": spec,
+            "target": {"kind": "webhook", "url": "http://127.0.0.1:1/fast/s"},
+            "misfire": mix.POLICIES[policy],
+            "jitter_s": jitter_s,
+        }
+    )
+
+
+def timeline(p: Any, **kw: Any) -> oracle.Timeline:
+    return oracle.Timeline(NS, "s", [oracle.Rotation(p, T0 - 100, T0 - 50)], **kw)
+
+
+def request(
+    nominal: int,
+    arrived: float,
+    *,
+    attempt: int = 1,
+    took: float = SLACK,
+    key: str | None = None,
+    trigger: bool = False,
+) -> oracle.Request:
+    return oracle.Request(
+        schedule=f"{NS}/s",
+        key=key or schedule.idempotency_key(NS, "s", nominal),
+        fire_time_ms=nominal,
+        attempt=attempt,
+        trigger=trigger,
+        arrived_ms=arrived,
+        answered_ms=arrived + took,
+        status=200,
+    )
+
+
+def on_time(t: oracle.Timeline, until: int, skip: frozenset[int] = frozenset()) -> list[Any]:
+    p = t.rotations[0].plan
+    return [
+        request(n, schedule.fire_at_ms(p, t.member, n) + 5)
+        for n in oracle.candidates(p, T0, until)
+        if n not in skip
+    ]
+
+
+EVERY_2S = {"kind": "interval", "every_s": 2}
+
+
+def test_all_on_time_is_clean_and_one_missing_is_lost() -> None:
+    t = timeline(plan(EVERY_2S))
+    horizon = T0 + 20_000
+    clean = oracle.judge([t], on_time(t, horizon), [], horizon)
+    assert clean.total("expected") == 11
+    assert clean.total("lost") == clean.total("unexpected") == clean.total("overlaps") == 0
+    missing = oracle.judge([t], on_time(t, horizon, frozenset({T0 + 4000})), [], horizon)
+    assert missing.total("lost") == 1
+    assert any("lost ledger/s@" in f for f in missing.findings)
+
+
+def test_jitter_above_the_grace_is_not_lateness() -> None:
+    """Defect 1: with skip and jitter 3 s, every occurrence is on time at its due time."""
+    p = plan({"kind": "interval", "every_s": 4}, "skip", jitter_s=3)
+    t = timeline(p)
+    horizon = T0 + 40_000
+    verdict = oracle.judge([t], on_time(t, horizon), [], horizon)
+    due = [schedule.fire_at_ms(p, t.member, n) for n in oracle.candidates(p, T0, horizon)]
+    assert verdict.total("expected") == sum(1 for d in due if d <= horizon) >= 9
+    assert verdict.total("lost") == 0
+    row = verdict.rows[("skip", "none")]
+    assert row.p99_lateness_s < 0.01
+    # Delivering only those whose jitter is within the grace loses the others.
+    beyond_grace = frozenset(
+        n
+        for n in oracle.candidates(p, T0, horizon)
+        if schedule.jitter_offset_ms(p, t.member, n) > 1000
+        and schedule.fire_at_ms(p, t.member, n) <= horizon
+    )
+    assert beyond_grace
+    dropped = oracle.judge([t], on_time(t, horizon, beyond_grace), [], horizon)
+    assert dropped.total("lost") == len(beyond_grace)
+
+
+def test_pause_forbids_what_comes_due_after_its_reply() -> None:
+    t = timeline(
+        plan(EVERY_2S), pauses=[oracle.Pause(T0 + 5000, T0 + 5100, T0 + 11_000, T0 + 11_100)]
+    )
+    horizon = T0 + 20_000
+    # The occurrence due at +4 s was in flight at the pause (due before its reply): excused.
+    delivered = [request(T0 + 4000, T0 + 5200), request(T0 + 6000, T0 + 6005)]
+    verdict = oracle.judge([t], delivered, [], horizon)
+    assert verdict.total("unexpected") == 1
+    assert any("forbidden ledger/s@" + str(T0 + 6000) in f for f in verdict.findings)
+    # While paused nothing is required; after the resume (and its settling) it is again.
+    # Required: +0 and +2 s (settled before the pause was sent; +4 s was due 1 s before it,
+    # too close to be owed), +14..+20 s (after the resume settled).
+    assert verdict.rows[("fire_all", "none")].expected == len([0, 2, 14, 16, 18, 20])
+
+
+def test_catch_up_after_resume_is_allowed_except_under_skip() -> None:
+    pause = oracle.Pause(T0 + 5000, T0 + 5100, T0 + 11_000, T0 + 11_100)
+    late_copy = [request(T0 + 8000, T0 + 11_200)]
+    for policy, unexpected in (("fire_once", 0), ("fire_all", 0), ("skip", 1)):
+        t = timeline(plan(EVERY_2S, policy), pauses=[pause])
+        assert oracle.judge([t], late_copy, [], T0 + 20_000).total("unexpected") == unexpected
+
+
+def test_delete_forbids_later_occurrences() -> None:
+    t = timeline(plan(EVERY_2S), deleted=(T0 + 6900, T0 + 7000))
+    verdict = oracle.judge(
+        [t], [request(T0 + 6000, T0 + 7100), request(T0 + 8000, T0 + 8001)], [], T0 + 20_000
+    )
+    assert verdict.total("unexpected") == 1
+    assert verdict.total("lost") == 3  # 0, 2 and 4 s were required and not delivered
+
+
+def test_duplicates_are_charged_to_the_fault_under_way() -> None:
+    t = timeline(plan(EVERY_2S))
+    fault = oracle.Fault("kill9-executor", T0 + 30_000, T0 + 31_000)
+    copies = [request(T0 + 2000, T0 + 2005), request(T0 + 2000, T0 + 30_500)]
+    verdict = oracle.judge([t], copies, [fault], T0 + 3000)
+    assert verdict.rows[("fire_all", "kill9-executor")].duplicates == 1
+    assert verdict.rows[("fire_all", "none")].duplicates == 0
+
+
+def test_retries_are_not_duplicates_but_a_wrong_key_is_found() -> None:
+    t = timeline(plan(EVERY_2S))
+    retried = [request(T0, T0 + 5), request(T0, T0 + 300, attempt=2)]
+    assert oracle.judge([t], retried, [], T0 + 1000).total("duplicates") == 0
+    wrong = [request(T0, T0 + 5, key="00000000-0000-5000-8000-000000000000")]
+    assert oracle.judge([t], wrong, [], T0 + 1000).total("bad_keys") == 1
+
+
+def test_overlapping_deliveries_of_two_occurrences() -> None:
+    t = timeline(plan(EVERY_2S))
+    apart = [request(T0, T0 + 5, took=1500), request(T0 + 2000, T0 + 2005, took=1500)]
+    assert oracle.judge([t], apart, [], T0 + 2500).total("overlaps") == 0
+    together = [request(T0, T0 + 5, took=2500), request(T0 + 2000, T0 + 2005, took=10)]
+    assert oracle.judge([t], together, [], T0 + 2500).total("overlaps") == 1
+    # Only requests at the sink at the same time count: a late copy of an old occurrence is a
+    # duplicate (counted as such), not an overlap.
+    later = [
+        request(T0, T0 + 5),
+        request(T0 + 2000, T0 + 2005),
+        request(T0, T0 + 2500, attempt=1),
+    ]
+    verdict = oracle.judge([t], later, [], T0 + 2500)
+    assert (verdict.total("overlaps"), verdict.total("duplicates")) == (0, 1)
+
+
+def test_a_fault_lets_skip_drop_but_not_fire_all() -> None:
+    fault = oracle.Fault("redis-flushall", T0 + 6000, T0 + 8000)
+    horizon = T0 + 30_000
+    for policy, lost in (("skip", 0), ("fire_once", 0), ("fire_all(limit)", 0), ("fire_all", 1)):
+        t = timeline(plan(EVERY_2S, policy))
+        delivered = on_time(t, horizon, frozenset({T0 + 6000}))
+        assert oracle.judge([t], delivered, [fault], horizon).total("lost") == lost, policy
+
+
+def test_fire_once_owes_one_catch_up_per_fault() -> None:
+    """Defect 2: a catch-up judged again under backlog can be skipped forever."""
+    fault = oracle.Fault("overload", T0 + 6000, T0 + 9000)
+    horizon = T0 + 30_000
+    for policy, lost in (("fire_once", 1), ("skip", 0)):
+        t = timeline(plan(EVERY_2S, policy))
+        window = oracle.fault_windows([fault], 2000, 6000).spans[0]
+        outside = [r for r in on_time(t, horizon) if not window[0] <= r.fire_time_ms <= window[1]]
+        verdict = oracle.judge([t], outside, [fault], horizon)
+        assert verdict.total("lost") == lost, policy
+        one = [*outside, request(T0 + 14_000, T0 + 15_500)]
+        assert oracle.judge([t], one, [fault], horizon).total("lost") == 0
+
+
+def test_a_command_during_a_fault_may_keep_an_owed_occurrence_from_firing() -> None:
+    """fire_all owes what came due during a fault, unless a pause, delete or reset was sent
+    before the fault was over (plus the settling time): then the occurrence may never fire."""
+    fault = oracle.Fault("kill9-dispatcher", T0 + 6000, T0 + 9000)
+    horizon = T0 + 30_000
+    delivered = [
+        r for r in on_time(timeline(plan(EVERY_2S)), horizon) if r.fire_time_ms < T0 + 6000
+    ]
+    paused = timeline(plan(EVERY_2S), pauses=[oracle.Pause(T0 + 10_000, T0 + 10_010)])
+    assert oracle.judge([paused], delivered, [fault], horizon).total("lost") == 0
+    late_pause = timeline(plan(EVERY_2S), pauses=[oracle.Pause(T0 + 25_000, T0 + 25_010)])
+    # 6 and 8 s were owed (fire_all); 10..22 s were due when the system was calm again.
+    assert oracle.judge([late_pause], delivered, [fault], horizon).total("lost") == 9
+
+
+def test_backlog_seen_elsewhere_lets_skip_drop() -> None:
+    """A first attempt several seconds late marks a backlog: a skip may drop what was due then."""
+    skip = oracle.Timeline(NS, "s", [oracle.Rotation(plan(EVERY_2S, "skip"), T0 - 100, T0 - 50)])
+    other = oracle.Timeline(NS, "o", [oracle.Rotation(plan(EVERY_2S), T0 - 100, T0 - 50)])
+    late = oracle.Request(
+        f"{NS}/o",
+        schedule.idempotency_key(NS, "o", T0 + 6000),
+        T0 + 6000,
+        1,
+        False,
+        T0 + 9000,
+        T0 + 9010,
+        200,
+    )
+    delivered = [r for r in on_time(skip, T0 + 20_000) if r.fire_time_ms != T0 + 8000]
+    verdict = oracle.judge([skip, other], [*delivered, late], [], T0 + 5000 + 15_000)
+    assert verdict.rows[("skip", "none")].lost == 0
+    assert verdict.rows[("skip", "none")].skipped == 1
+
+
+def test_max_fires_bounds_the_count() -> None:
+    t = timeline(plan({**EVERY_2S, "max_fires": 2}))
+    three = [request(T0, T0 + 5), request(T0 + 2000, T0 + 2005), request(T0 + 4000, T0 + 4005)]
+    verdict = oracle.judge([t], three, [], T0 + 10_000)
+    assert verdict.total("unexpected") == 1
+    assert verdict.total("expected") == 2
+
+
+def test_end_at_is_forbidden_ground() -> None:
+    t = timeline(plan({**EVERY_2S, "end_at": timefmt.format_ms(T0 + 3000)}))
+    verdict = oracle.judge([t], [request(T0 + 4000, T0 + 4005)], [], T0 + 10_000)
+    assert verdict.total("unexpected") == 1
+
+
+def test_reset_starts_a_new_rotation() -> None:
+    old, new = plan(EVERY_2S), plan({"kind": "interval", "every_s": 3})
+    t = oracle.Timeline(
+        NS,
+        "s",
+        [oracle.Rotation(old, T0 - 100, T0 - 50), oracle.Rotation(new, T0 + 4900, T0 + 5000)],
+    )
+    # +6 s is a time of both rules: allowed by the new one. +8 s only the old one: forbidden.
+    verdict = oracle.judge(
+        [t], [request(T0 + 6000, T0 + 6005), request(T0 + 8000, T0 + 8005)], [], T0 + 10_000
+    )
+    assert verdict.total("unexpected") == 1
+    assert any(f"@{T0 + 8000}" in f for f in verdict.findings if f.startswith("unexpected"))
+    assert any(f"lost ledger/s@{T0 + 9000}" in f for f in verdict.findings)
+
+
+def test_after_completion_chain() -> None:
+    p = plan({"kind": "after_completion", "delay_s": 2, "start_at": timefmt.format_ms(T0)})
+    t = timeline(p)
+    good = [request(T0, T0 + 5, took=500), request(T0 + 2600, T0 + 2605, took=10)]
+    verdict = oracle.judge([t], good, [], T0 + 4000)
+    assert verdict.total("unexpected") == verdict.total("lost") == 0
+    too_soon = [request(T0, T0 + 5, took=500), request(T0 + 2100, T0 + 2105)]
+    assert oracle.judge([t], too_soon, [], T0 + 4000).total("unexpected") == 1
+    # The chain stopped: the next one was due at +4.6 s and never came.
+    assert oracle.judge([t], good, [], T0 + 10_000).total("lost") == 1
+
+
+def test_triggers() -> None:
+    p = plan(EVERY_2S)
+    trig = oracle.Trigger(
+        T0 + 1100, T0 + 1200, T0 + 1150, schedule.idempotency_key(NS, "s", T0 + 1150) + "t"
+    )
+    t = timeline(p, triggers=[trig])
+    regular = on_time(t, T0 + 3000)
+    assert oracle.judge([t], regular, [], T0 + 3000).total("lost") == 1
+    delivered = request(T0 + 1150, T0 + 1300, key=trig.key, trigger=True)
+    assert oracle.judge([t], [*regular, delivered], [], T0 + 3000).total("lost") == 0
+    regular_key = schedule.idempotency_key(NS, "s", T0 + 1150)
+    same = timeline(p, triggers=[dataclasses.replace(trig, key=regular_key)])
+    assert oracle.judge([same], regular, [], T0 + 3000).total("bad_keys") == 1
+    stranger = request(T0 + 1700, T0 + 1800, trigger=True)
+    assert (
+        oracle.judge([t], [*regular, delivered, stranger], [], T0 + 3000).total("unexpected") == 1
+    )
+
+
+def test_dst_zone_uses_the_projects_cron_math() -> None:
+    """02:30 in Europe/Berlin on 2027-03-28 does not exist: it fires at 03:30 local (01:30Z)."""
+    p = plan({"kind": "cron", "expr": "30 2 * * *", "timezone": "Europe/Berlin"})
+    start = timefmt.parse_rfc3339_ms("2027-03-27T00:00:00Z")
+    found = oracle.candidates(p, start, start + 3 * 86_400_000)
+    assert [timefmt.format_ms(n) for n in found] == [
+        "2027-03-27T01:30:00Z",
+        "2027-03-28T01:30:00Z",
+        "2027-03-29T00:30:00Z",
+    ]
+
+
+def test_herd_counts_duplicates_per_kind() -> None:
+    key = schedule.idempotency_key(NS, "s", T0)
+    expected = {"once": {(f"{NS}/s", T0): key}}
+    twice = [request(T0, T0 + 5), request(T0, T0 + 900)]
+    verdict = oracle.judge_herd(expected, twice)
+    assert verdict.rows[("herd:once", "none")].duplicates == 1
+    assert verdict.total("lost") == 0
+    assert oracle.judge_herd(expected, []).total("lost") == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    every_s=st.integers(min_value=1, max_value=9),
+    jitter_s=st.integers(min_value=0, max_value=8),
+    policy=st.sampled_from(sorted(mix.POLICIES)),
+    drop=st.integers(min_value=0, max_value=1000),
+)
+def test_perfect_delivery_is_clean_and_each_loss_counts(
+    every_s: int, jitter_s: int, policy: str, drop: int
+) -> None:
+    p = plan(
+        {"kind": "interval", "every_s": every_s},
+        policy,
+        jitter_s=min(jitter_s, every_s - 1) if every_s > 1 else 0,
+    )
+    t = timeline(p)
+    horizon = T0 + 60_000
+    delivered = on_time(t, horizon)
+    verdict = oracle.judge([t], delivered, [], horizon)
+    assert (verdict.total("lost"), verdict.total("unexpected"), verdict.total("overlaps")) == (
+        0,
+        0,
+        0,
+    )
+    required = [
+        r
+        for r in delivered
+        if schedule.fire_at_ms(p, t.member, r.fire_time_ms) <= horizon and r.fire_time_ms >= T0
+    ]
+    gone = required[drop % len(required)].fire_time_ms
+    less = oracle.judge([t], [r for r in delivered if r.fire_time_ms != gone], [], horizon)
+    assert less.total("lost") == 1
