@@ -69,13 +69,6 @@ def _execution(
     )
 
 
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[Store]:
-    found = await Store.open(database_url)
-    yield found
-    await found.close()
-
-
 async def _client(database_url: str, index: Index, **settings: Any) -> TestClient[Any, Any]:
     config = ConsoleSettings(database_url=database_url, console_page_size=3, **settings)
     model = await ReadModel.open(database_url, index, config.console_page_size)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import aio_pika
 import asyncpg
-import pytest
 from aio_pika.abc import AbstractRobustConnection
 
 from cronbus.sink import Sink
@@ -22,30 +20,6 @@ from shared import amqp, bulk, codec, delivery, keys, netpolicy, schedule, valid
 from shared.config import ExecutorSettings
 from shared.index import Index
 from shared.store import Store
-
-
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[Store]:
-    found = await Store.open(database_url)
-    yield found
-    await found.close()
-
-
-@pytest.fixture
-async def connection(amqp_url: str) -> AsyncIterator[AbstractRobustConnection]:
-    found = await aio_pika.connect_robust(amqp_url)
-    channel = await found.channel()
-    await amqp.declare_topology(channel)
-    yield found
-    await found.close()
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[Sink]:
-    found = Sink()
-    await found.start()
-    yield found
-    await found.stop()
 
 
 async def executor_with_clock(

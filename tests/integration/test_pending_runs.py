@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import pytest
-
 from shared import schedule
 from shared.store import ExecutionRow, PendingRun, Store
 
 AT = 1_800_000_000_000  # a whole second
-
-
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[Store]:
-    found = await Store.open(database_url)
-    yield found
-    await found.close()
 
 
 def execution(trigger: bool, status: str = "succeeded", attempts: int = 1) -> ExecutionRow:

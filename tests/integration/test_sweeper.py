@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -22,13 +21,6 @@ NOW = int(time.time() * 1000)
 
 #: The schedules here call a loopback address.
 LOCAL = validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK)
-
-
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[Store]:
-    found = await Store.open(database_url)
-    yield found
-    await found.close()
 
 
 @pytest.fixture

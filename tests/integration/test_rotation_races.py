@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aio_pika
 import asyncpg
-import pytest
 from aio_pika.abc import AbstractRobustConnection
 
 from cronbus.sink import Sink
@@ -23,30 +21,6 @@ from shared.index import Claimed, Index
 from shared.store import CommandAudit, Store
 from tests.conftest import SHARDS
 from tests.integration.test_executor_decisions import claim_one, executor_with_clock
-
-
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[Store]:
-    found = await Store.open(database_url)
-    yield found
-    await found.close()
-
-
-@pytest.fixture
-async def connection(amqp_url: str) -> AsyncIterator[AbstractRobustConnection]:
-    found = await aio_pika.connect_robust(amqp_url)
-    channel = await found.channel()
-    await amqp.declare_topology(channel)
-    yield found
-    await found.close()
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[Sink]:
-    found = Sink()
-    await found.start()
-    yield found
-    await found.stop()
 
 
 def make_sweeper(index: Index, store: Store, redis_prefix: str, database_url: str) -> Sweeper:

@@ -1,0 +1,37 @@
+"""Fixtures the integration tests share: a store, a broker connection with the topology, a sink."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aio_pika
+import pytest
+from aio_pika.abc import AbstractRobustConnection
+
+from cronbus.sink import Sink
+from shared import amqp
+from shared.store import Store
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[Store]:
+    found = await Store.open(database_url)
+    yield found
+    await found.close()
+
+
+@pytest.fixture
+async def connection(amqp_url: str) -> AsyncIterator[AbstractRobustConnection]:
+    found = await aio_pika.connect_robust(amqp_url)
+    channel = await found.channel()
+    await amqp.declare_topology(channel)
+    yield found
+    await found.close()
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[Sink]:
+    found = Sink()
+    await found.start()
+    yield found
+    await found.stop()
