@@ -5,7 +5,9 @@ non-zero exit, within seconds. One that is only away (connection refused) is wai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -161,3 +163,42 @@ async def test_a_dependency_that_is_only_away_is_waited_for(tmp_path: Path) -> N
     for proc in procs:
         assert exits.get(proc.name, float("inf")) <= GRACE_S + SLACK_S, proc.tail()
         assert proc.popen.returncode == 0, proc.tail()
+
+
+#: Seconds after the interpreter is up at which SIGTERM comes: while the service imports its
+#: libraries, reads its settings, connects, and once it runs.
+SIGTERM_DELAYS_S = (0.05, 0.2, 0.5, 1.0, 2.5)
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (Linux /proc: SigCgt)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("service", SERVICES)
+async def test_sigterm_at_any_moment_of_the_start_is_a_clean_stop(
+    service: str, stack_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A pod may be deleted while its service is still starting: SIGTERM at any moment ends
+    in exit status 0 within the grace period, never in death by the signal (-15)."""
+    stack = Stack({**stack_env, "CRONBUS_SHUTDOWN_GRACE_S": str(GRACE_S)}, tmp_path)
+    try:
+        for delay_s in SIGTERM_DELAYS_S:
+            proc = stack.start(service)
+            deadline = time.monotonic() + 20
+            # Python catches SIGINT once the interpreter is up: only from then on does any
+            # code of the service run.
+            while not _catches(proc.pid, signal.SIGINT):
+                assert proc.alive() and time.monotonic() < deadline, proc.tail()
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(delay_s)
+            exits = await time_exits([proc], GRACE_S + SLACK_S + 10)
+            took = exits.get(service, float("inf"))
+            assert proc.popen.returncode == 0, (delay_s, proc.popen.returncode, proc.tail())
+            assert took <= GRACE_S + SLACK_S, (delay_s, took, proc.tail())
+    finally:
+        stack.stop_all()
