@@ -9,6 +9,7 @@ install the handler before anything else; the run loop asks whether a signal cam
 
 from __future__ import annotations
 
+import atexit
 import signal
 from types import FrameType
 
@@ -23,9 +24,19 @@ def _note(signum: int, _frame: FrameType | None) -> None:
 
 
 def catch() -> None:
-    """Note stop signals instead of dying of them (until the loop installs its handler)."""
+    """Note stop signals instead of dying of them (until the loop installs its handler, and
+    from when it gives them back until the process ends)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, _note)
+    atexit.unregister(_ignore)  # registered once, whatever the number of calls
+    atexit.register(_ignore)
+
+
+def _ignore() -> None:
+    """At exit, once the status is decided: the interpreter gives signals handled in Python
+    back their default as it winds down, ignored ones stay ignored."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def received() -> bool:

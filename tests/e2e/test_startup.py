@@ -202,3 +202,36 @@ async def test_sigterm_at_any_moment_of_the_start_is_a_clean_stop(
             assert took <= GRACE_S + SLACK_S, (delay_s, took, proc.tail())
     finally:
         stack.stop_all()
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_sigterm_while_a_refused_service_exits_keeps_its_exit_status(
+    service: str, endpoints: services.Endpoints, good_database: str
+) -> None:
+    """A service that refused to start and is exiting is still told to stop (a supervisor
+    giving up on it): its exit status stays 2, naming the refusal, not death by the signal."""
+    _, env = _refusals(endpoints, good_database)["postgres-missing-database"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"services.{service}"],
+        env={**os.environ, **env, "CRONBUS_METRICS_PORT": "0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if b"CRONBUS_DATABASE_URL" in line:
+                break
+        # From the refusal line on, SIGTERM every few milliseconds until the process is gone.
+        deadline = time.monotonic() + REFUSED_WITHIN_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            time.sleep(0.002)
+        assert proc.wait(REFUSED_WITHIN_S) == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
