@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ import pydantic
 from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 
-from shared import amqp, codec, db, errors, index, keys, logs, metrics, transient
+from shared import amqp, codec, db, errors, index, keys, logs, metrics, stopsignal, transient
 from shared.config import CommonSettings
 from shared.store import Store
 
@@ -204,14 +203,20 @@ async def serve(service: Service, settings: CommonSettings) -> tuple[int, bool]:
     """
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stopsignal.STOP_SIGNALS:
         loop.add_signal_handler(sig, stopping.set)
+    if stopsignal.received():  # while the process was starting
+        stopping.set()
     runner, port = await _start_http(_health_app(service), settings.metrics_port)
     log.info("service starting", extra={"action": "service_starting", "metrics_port": port})
     started = time.monotonic()
-    work = asyncio.create_task(service.run(stopping), name="service")
+    # Asked to stop before it began: nothing to start, nothing to hand back.
+    work = asyncio.create_task(
+        _stopped_at_once() if stopping.is_set() else service.run(stopping), name="service"
+    )
     grace_s = settings.shutdown_grace_s
     stopped_at = await _until_stopping(work, stopping)
+    _keep_catching_stop_signals(loop)
     _arm_watchdog(service, grace_s + WATCHDOG_MARGIN_S)
     ending = "finished" if work.done() else await _end_within(work, stopped_at + grace_s)
     cut_off = ending != "finished"
@@ -240,6 +245,21 @@ async def serve(service: Service, settings: CommonSettings) -> tuple[int, bool]:
         },
     )
     return code, ending != "hung"
+
+
+def _keep_catching_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Hand the stop signals from the loop back to ``stopsignal`` once the stop is decided.
+
+    Closing the loop would give them back their default disposition (death by the signal):
+    a SIGTERM while the interpreter winds down would turn a clean exit status into -15.
+    """
+    for sig in stopsignal.STOP_SIGNALS:
+        loop.remove_signal_handler(sig)
+    stopsignal.catch()
+
+
+async def _stopped_at_once() -> None:
+    log.info("stop asked for while starting", extra={"action": "stopped_while_starting"})
 
 
 async def _until_stopping(work: asyncio.Task[None], stopping: asyncio.Event) -> float:

@@ -27,6 +27,9 @@ ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,
     asyncpg.exceptions.ConnectionDoesNotExistError,
+    # A database removed while the service runs (3D000 on reconnecting) is waited for like a
+    # server that is down; only at start is it a refusal (``refusal`` is asked first there).
+    asyncpg.InvalidCatalogNameError,
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
     redis_errors.BusyLoadingError,

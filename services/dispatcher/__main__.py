@@ -1,10 +1,15 @@
 """``python -m services.dispatcher``."""
 
-import sys
+# Before the imports below (they take a while): SIGTERM from now on is a clean stop.
+from shared import stopsignal
 
-from services.dispatcher.service import DispatcherService
-from shared import service, spans
-from shared.config import DispatcherSettings
+stopsignal.catch()
+
+import sys  # noqa: E402
+
+from services.dispatcher.service import DispatcherService  # noqa: E402
+from shared import service, spans  # noqa: E402
+from shared.config import DispatcherSettings  # noqa: E402
 
 if __name__ == "__main__":
     settings = service.load_settings("dispatcher", DispatcherSettings)

@@ -1,10 +1,15 @@
 """``python -m services.executor``."""
 
-import sys
+# Before the imports below (they take a while): SIGTERM from now on is a clean stop.
+from shared import stopsignal
 
-from services.executor.service import ExecutorService
-from shared import service, signing, spans
-from shared.config import ExecutorSettings
+stopsignal.catch()
+
+import sys  # noqa: E402
+
+from services.executor.service import ExecutorService  # noqa: E402
+from shared import service, signing, spans  # noqa: E402
+from shared.config import ExecutorSettings  # noqa: E402
 
 if __name__ == "__main__":
     settings = service.load_settings("executor", ExecutorSettings)

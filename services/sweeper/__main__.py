@@ -1,8 +1,13 @@
 """``python -m services.sweeper``."""
 
-from services.sweeper.service import SweeperService
-from shared import service
-from shared.config import SweeperSettings
+# Before the imports below (they take a while): SIGTERM from now on is a clean stop.
+from shared import stopsignal
+
+stopsignal.catch()
+
+from services.sweeper.service import SweeperService  # noqa: E402
+from shared import service  # noqa: E402
+from shared.config import SweeperSettings  # noqa: E402
 
 if __name__ == "__main__":
     settings = service.load_settings("sweeper", SweeperSettings)

@@ -67,6 +67,8 @@ async def corner(servers: private.PrivateServices) -> AsyncIterator[Corner]:
             "CRONBUS_AMQP_URL": services.with_vhost(servers.rabbit.url, vhost),
             "CRONBUS_DATABASE_URL": services.with_database(servers.postgres.url, database),
             "CRONBUS_SHARDS": "4",
+            # A sweep step (it reads PostgreSQL) certainly runs while the dependency is away.
+            "CRONBUS_SWEEP_INTERVAL_S": "1",
             "CRONBUS_SHUTDOWN_GRACE_S": str(GRACE_S),
             "CRONBUS_LOG_LEVEL": "INFO",
             "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,

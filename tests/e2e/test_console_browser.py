@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.ui import WebDriverWait
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
@@ -37,6 +40,8 @@ HEADLESS_FLAGS = (
     "--disable-dev-shm-usage",
     "--window-size=1280,1000",
 )
+#: How long a page may take to come back on a busy machine.
+PAGE_TIMEOUT_S = 20
 
 
 @pytest.fixture
@@ -56,6 +61,18 @@ def browser(tmp_path: Path) -> Iterator[WebDriver]:
         yield driver
     finally:
         driver.quit()
+
+
+def _goes_to_next_page(browser: WebDriver, action: Callable[[], object]) -> None:
+    """Do ``action`` (a click, a submit) and wait, as a person does, until the page it leaves
+    is replaced and the next one is loaded. A click does not wait for the navigation it
+    starts: what is looked up right after it may belong to the page being left, and is gone
+    (stale) a moment later."""
+    leaving = browser.find_element(By.TAG_NAME, "html")
+    action()
+    wait = WebDriverWait(browser, PAGE_TIMEOUT_S)
+    wait.until(expected_conditions.staleness_of(leaving))
+    wait.until(lambda driver: driver.execute_script("return document.readyState") == "complete")
 
 
 async def _eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -97,26 +114,29 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
     # Find it: namespaces -> billing -> search by id -> the schedule.
     await asyncio.to_thread(browser.get, base + "/")
     assert "Namespaces" in browser.find_element(By.TAG_NAME, "h1").text
-    browser.find_element(By.LINK_TEXT, "billing").click()
+    billing = browser.find_element(By.LINK_TEXT, "billing")
+    await asyncio.to_thread(_goes_to_next_page, browser, billing.click)
     search = browser.find_element(By.NAME, "q")
     search.send_keys("invoice-r")
-    search.submit()
+    await asyncio.to_thread(_goes_to_next_page, browser, search.submit)
     links = browser.find_elements(By.CSS_SELECTOR, "tbody th a")
     assert [a.text for a in links] == ["invoice-reminder"]
-    links[0].click()
+    await asyncio.to_thread(_goes_to_next_page, browser, links[0].click)
     assert browser.find_element(By.ID, "state").text == "active"
     assert "Alice" in browser.page_source or "alice" in browser.page_source
 
     # Pause: the page comes back with the new state (the confirm dialog is answered yes).
     browser.execute_script("window.confirm = () => true;")
-    browser.find_element(By.CSS_SELECTOR, "button[value=pause]").click()
+    pause = browser.find_element(By.CSS_SELECTOR, "button[value=pause]")
+    await asyncio.to_thread(_goes_to_next_page, browser, pause.click)
     assert browser.find_element(By.CSS_SELECTOR, "p.notice").text == "pause: done"
     assert browser.find_element(By.ID, "state").text == "paused"
     assert not browser.find_elements(By.CSS_SELECTOR, "button[value=pause]")
 
     # Trigger: one extra run now; its execution appears in the history.
     browser.execute_script("window.confirm = () => true;")
-    browser.find_element(By.CSS_SELECTOR, "button[value=trigger]").click()
+    trigger = browser.find_element(By.CSS_SELECTOR, "button[value=trigger]")
+    await asyncio.to_thread(_goes_to_next_page, browser, trigger.click)
     assert browser.find_element(By.CSS_SELECTOR, "p.notice").text == "trigger: done"
     assert await sink.wait_for(
         lambda s: any(r.schedule == "billing/invoice-reminder" for r in s.received), 20
@@ -124,8 +144,11 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
 
     def execution_shown() -> bool:
         browser.refresh()
-        rows = browser.find_elements(By.CSS_SELECTOR, "#executions tbody tr")
-        return any("trigger" in row.text and "succeeded" in row.text for row in rows)
+        try:
+            rows = browser.find_elements(By.CSS_SELECTOR, "#executions tbody tr")
+            return any("trigger" in row.text and "succeeded" in row.text for row in rows)
+        except StaleElementReferenceException:  # replaced by a reload under way: look again
+            return False
 
     await _eventually(execution_shown, 20, "the triggered execution in the history")
 

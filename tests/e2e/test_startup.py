@@ -5,7 +5,9 @@ non-zero exit, within seconds. One that is only away (connection refused) is wai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -161,3 +163,75 @@ async def test_a_dependency_that_is_only_away_is_waited_for(tmp_path: Path) -> N
     for proc in procs:
         assert exits.get(proc.name, float("inf")) <= GRACE_S + SLACK_S, proc.tail()
         assert proc.popen.returncode == 0, proc.tail()
+
+
+#: Seconds after the interpreter is up at which SIGTERM comes: while the service imports its
+#: libraries, reads its settings, connects, and once it runs.
+SIGTERM_DELAYS_S = (0.05, 0.2, 0.5, 1.0, 2.5)
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (Linux /proc: SigCgt)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("service", SERVICES)
+async def test_sigterm_at_any_moment_of_the_start_is_a_clean_stop(
+    service: str, stack_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A pod may be deleted while its service is still starting: SIGTERM at any moment ends
+    in exit status 0 within the grace period, never in death by the signal (-15)."""
+    stack = Stack({**stack_env, "CRONBUS_SHUTDOWN_GRACE_S": str(GRACE_S)}, tmp_path)
+    try:
+        for delay_s in SIGTERM_DELAYS_S:
+            proc = stack.start(service)
+            deadline = time.monotonic() + 20
+            # Python catches SIGINT once the interpreter is up: only from then on does any
+            # code of the service run.
+            while not _catches(proc.pid, signal.SIGINT):
+                assert proc.alive() and time.monotonic() < deadline, proc.tail()
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(delay_s)
+            exits = await time_exits([proc], GRACE_S + SLACK_S + 10)
+            took = exits.get(service, float("inf"))
+            assert proc.popen.returncode == 0, (delay_s, proc.popen.returncode, proc.tail())
+            assert took <= GRACE_S + SLACK_S, (delay_s, took, proc.tail())
+    finally:
+        stack.stop_all()
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_sigterm_while_a_refused_service_exits_keeps_its_exit_status(
+    service: str, endpoints: services.Endpoints, good_database: str
+) -> None:
+    """A service that refused to start and is exiting is still told to stop (a supervisor
+    giving up on it): its exit status stays 2, naming the refusal, not death by the signal."""
+    _, env = _refusals(endpoints, good_database)["postgres-missing-database"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"services.{service}"],
+        env={**os.environ, **env, "CRONBUS_METRICS_PORT": "0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if b"CRONBUS_DATABASE_URL" in line:
+                break
+        # From the refusal line on, SIGTERM every few milliseconds until the process is gone.
+        deadline = time.monotonic() + REFUSED_WITHIN_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            time.sleep(0.002)
+        assert proc.wait(REFUSED_WITHIN_S) == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()

@@ -141,3 +141,32 @@ async def test_a_pause_ends_when_the_service_stops() -> None:
     started = time.monotonic()
     await transient.pause(60, stopping)
     assert time.monotonic() - started < 1
+
+
+async def test_a_database_removed_while_running_is_waited_for_not_a_dead_loop() -> None:
+    """Reconnecting to a database that was dropped raises 3D000: a periodic loop (the
+    sweeper's) skips the round and goes on, as while PostgreSQL is down; the service stays
+    up, reports PostgreSQL down on /readyz and stops cleanly on SIGTERM."""
+    stopping = asyncio.Event()
+    rounds = 0
+
+    async def step() -> None:
+        nonlocal rounds
+        rounds += 1
+        if rounds == 3:
+            stopping.set()
+        raise asyncpg.InvalidCatalogNameError('database "x" does not exist')
+
+    await asyncio.wait_for(
+        transient.every(0.01, step, what="sweep step", stopping=stopping), timeout=5
+    )
+    assert rounds == 3
+
+
+async def test_a_database_missing_at_start_is_still_a_refusal() -> None:
+    async def connect() -> None:
+        raise asyncpg.InvalidCatalogNameError('database "x" does not exist')
+
+    with pytest.raises(errors.DependencyRefused) as raised:
+        await transient.retry(connect, what="postgres", setting="CRONBUS_DATABASE_URL")
+    assert raised.value.setting == "CRONBUS_DATABASE_URL"
