@@ -94,7 +94,7 @@ async def test_a_secret_header_value_quoted_back_by_the_receiver_is_not_kept_in_
         )
     finally:
         await hooks.close()
-    assert not outcome.ok and outcome.status == 401
+    assert not outcome.ok and outcome.http_status == 401
     assert outcome.error is not None and outcome.error.startswith("HTTP 401")
     assert "sk_live_0123456789abcdef" not in outcome.error
 
