@@ -191,6 +191,8 @@ class _Connection(asyncio.Protocol):
             raise _Stop  # bytes after the response: do not read (or reuse) any further
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.headers_done:
+            return  # a trailer field: not merged into the header section (RFC 9110 6.5.1)
         lowered = name.lower()
         if lowered == b"content-length":
             self._check_length(value)
