@@ -110,3 +110,30 @@ async def test_retry_after_in_a_chunked_trailer_is_not_obeyed(trailing: str) -> 
         await client.close()
     assert response.status == 503 and response.body == b"busy"
     assert response.retry_after is None
+
+
+async def test_an_idle_connection_is_closed_once_it_expires_without_further_traffic() -> None:
+    """'Idle connections expire': today an expired connection is only closed when another
+    call puts or takes one, so after a burst the executor keeps every socket open (up to the
+    total bound) for as long as no other call comes, holding the receivers' slots."""
+    closed = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await writer.drain()
+        if await reader.read() == b"":
+            closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = HttpClient(2, netpolicy.AddressPolicy.from_text(netpolicy.LOOPBACK), idle_s=0.2)
+    try:
+        response = await client.request("GET", f"http://127.0.0.1:{port}/", [], None, 5)
+        assert response.status == 204 and response.keep_alive
+        await asyncio.wait_for(closed.wait(), 2.0)
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
