@@ -191,6 +191,8 @@ class _Connection(asyncio.Protocol):
             raise _Stop  # bytes after the response: do not read (or reuse) any further
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.headers_done:
+            return  # a trailer field: not merged into the header section (RFC 9110 6.5.1)
         lowered = name.lower()
         if lowered == b"content-length":
             self._check_length(value)
@@ -283,6 +285,8 @@ class _Pool:
         self._by_key: dict[Key, collections.deque[_Connection]] = {}
         #: Every idle connection, oldest first.
         self._order: collections.OrderedDict[_Connection, Key] = collections.OrderedDict()
+        #: Closes expired connections while no call comes (one timer, not one per connection).
+        self._timer: asyncio.TimerHandle | None = None
 
     def take(self, key: Key, now: float) -> _Connection | None:
         idle = self._by_key.get(key)
@@ -302,6 +306,16 @@ class _Pool:
         self._by_key.setdefault(key, collections.deque()).append(connection)
         self._order[connection] = key
         self.prune(now)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._timer is None and self._order:
+            self._timer = asyncio.get_running_loop().call_later(self.idle_s, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self.prune(asyncio.get_running_loop().time())
+        self._arm()
 
     def prune(self, now: float) -> None:
         while self._order:
@@ -321,6 +335,9 @@ class _Pool:
         return len(self._order)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for connection in self._order:
             connection._close()
         self._order.clear()

@@ -136,4 +136,6 @@ def _header_value(name: str, raw: bytes) -> str:
         raise SecretMissing(f"secret {name!r} is not ASCII text") from None
     if any((ord(ch) < 0x20 and ch != "\t") or ord(ch) == 0x7F for ch in value):
         raise SecretMissing(f"secret {name!r} holds control characters (one line is allowed)")
+    if not value.strip():
+        raise SecretMissing(f"secret {name!r} is empty")
     return value

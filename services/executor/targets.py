@@ -134,13 +134,28 @@ class Webhooks:
         status = response.status
         if _succeeded(status, target.success_codes):
             return Outcome(True, status)
-        text = response.body.decode("utf-8", "replace").strip()
+        text = _without_secrets(response.body.decode("utf-8", "replace").strip(), headers, target)
         return Outcome(
             False,
             status,
             f"HTTP {status}" + (f": {text}" if text else ""),
             _retry_after_ms(status, response.retry_after),
         )
+
+
+def _without_secrets(text: str, headers: list[tuple[str, str]], target: WebhookPlan) -> str:
+    """The response text with the values of the secret headers sent blanked out: the text
+    becomes the attempt's error (stored and published), and a receiver may quote a header
+    back ("invalid token: ...")."""
+    names = {name.lower() for name, _ in target.secret_headers}
+    for name, value in headers:
+        if name.lower() in names and value:
+            text = text.replace(value, "[secret]")
+            # The token alone, too (a receiver may quote "sk_..." without "Bearer ").
+            for part in value.split():
+                if len(part) >= 8:
+                    text = text.replace(part, "[secret]")
+    return text
 
 
 def _retry_after_ms(status: int, value: str | None) -> int | None:
