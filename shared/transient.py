@@ -26,6 +26,8 @@ ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.InterfaceError,
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,
+    # 53300: the server's or a role's connection limit is reached; others will let go.
+    asyncpg.TooManyConnectionsError,
     asyncpg.exceptions.ConnectionDoesNotExistError,
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
