@@ -179,7 +179,11 @@ class Console:
             raise views.BadQuery("before", "is not an RFC 3339 time") from None
         if found.tzinfo is None:
             raise views.BadQuery("before", "needs a time zone (Z)")
-        return found
+        try:
+            # PostgreSQL takes it in UTC; at the calendar's edges that instant does not exist.
+            return found.astimezone(dt.UTC)
+        except OverflowError:
+            raise views.BadQuery("before", "is outside the years 1 to 9999 in UTC") from None
 
     # --- pages ----------------------------------------------------------------------------------
 
