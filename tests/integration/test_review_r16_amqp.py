@@ -7,7 +7,9 @@ disconnects (a rollout briefly doubles the connections). A service must wait, no
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+from urllib.parse import unquote
 
 import pytest
 
@@ -18,8 +20,9 @@ from tests.support import services
 async def test_a_full_vhost_is_not_taken_for_a_refusal(
     amqp_url: str, endpoints: services.Endpoints
 ) -> None:
-    vhost = amqp_url.rsplit("/", 1)[1]
-    subprocess.run(
+    vhost = unquote(amqp_url.rsplit("/", 1)[1])
+    await asyncio.to_thread(
+        subprocess.run,
         [*endpoints.rabbitmqctl, "set_vhost_limits", "-p", vhost, '{"max-connections": 0}'],
         check=True,
         capture_output=True,
