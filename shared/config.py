@@ -55,6 +55,18 @@ class CommonSettings(BaseSettings):
     #: JSON file of per-namespace quotas (see shared.quotas); empty: no quotas.
     quotas_file: str = ""
 
+    @field_validator("redis_url", "amqp_url", "database_url")
+    @classmethod
+    def _ports_are_numbers(cls, value: str) -> str:
+        # The drivers would fail at start with a traceback; the message must not repeat the
+        # URL (it may hold a password).
+        hosts = value.partition("://")[2].partition("/")[0].rpartition("@")[2]
+        for host in hosts.split(","):  # PostgreSQL takes several hosts
+            port = host.rpartition(":")[2] if ":" in host and not host.endswith("]") else ""
+            if port and not (port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError("the port must be a number from 1 to 65535")
+        return value
+
 
 class WebhookPolicySettings(CommonSettings):
     """Where webhooks may go: checked at upsert (literal addresses, host globs) by the

@@ -26,6 +26,8 @@ ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.InterfaceError,
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,
+    # 53300: the server's or a role's connection limit is reached; others will let go.
+    asyncpg.TooManyConnectionsError,
     asyncpg.exceptions.ConnectionDoesNotExistError,
     # A database removed while the service runs (3D000 on reconnecting) is waited for like a
     # server that is down; only at start is it a refusal (``refusal`` is asked first there).

@@ -179,7 +179,11 @@ class Console:
             raise views.BadQuery("before", "is not an RFC 3339 time") from None
         if found.tzinfo is None:
             raise views.BadQuery("before", "needs a time zone (Z)")
-        return found
+        try:
+            # PostgreSQL takes it in UTC; at the calendar's edges that instant does not exist.
+            return found.astimezone(dt.UTC)
+        except OverflowError:
+            raise views.BadQuery("before", "is outside the years 1 to 9999 in UTC") from None
 
     # --- pages ----------------------------------------------------------------------------------
 
@@ -253,7 +257,7 @@ class Console:
                 "p99": views.quantile(lateness, 0.99),
             },
             commands=await self.model.commands(namespace, schedule_id, 10),
-            definition=_pretty(found.definition),
+            definition=_pretty(_without_header_values(found.definition)),
             message=_signed_message(request),
             now_ms=now_ms,
         )
@@ -342,6 +346,22 @@ def _signed_message(request: web.Request) -> str:
     if not hmac.compare_digest(_sign(token, message), request.query.get("sig", "")):
         return ""
     return message[:500]
+
+
+#: What the definition view shows instead of a header's value.
+HIDDEN = "(hidden)"
+
+
+def _without_header_values(definition: Any) -> Any:
+    """The definition with its target's header values hidden: headers are where tenants put
+    credentials (URLs may not carry them), and the console shows every namespace."""
+    if not isinstance(definition, dict) or not isinstance(definition.get("target"), dict):
+        return definition
+    target = definition["target"]
+    if not isinstance(target.get("headers"), dict):
+        return definition
+    hidden = dict.fromkeys(target["headers"], HIDDEN)
+    return {**definition, "target": {**target, "headers": hidden}}
 
 
 def _pretty(value: Any) -> str:

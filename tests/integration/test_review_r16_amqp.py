@@ -1,0 +1,33 @@
+"""Review r16 (issue 16): a vhost whose connection limit is reached is an outage, not a refusal.
+
+RabbitMQ answers Connection.Open with Connection.Close (NOT_ALLOWED "connection limit (N) is
+reached") when the vhost's ``max-connections`` is used up: it clears as soon as another client
+disconnects (a rollout briefly doubles the connections). A service must wait, not exit 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from urllib.parse import unquote
+
+import pytest
+
+from shared import amqp, transient
+from tests.support import services
+
+
+async def test_a_full_vhost_is_not_taken_for_a_refusal(
+    amqp_url: str, endpoints: services.Endpoints
+) -> None:
+    vhost = unquote(amqp_url.rsplit("/", 1)[1])
+    await asyncio.to_thread(
+        subprocess.run,
+        [*endpoints.rabbitmqctl, "set_vhost_limits", "-p", vhost, '{"max-connections": 0}'],
+        check=True,
+        capture_output=True,
+    )
+    with pytest.raises(Exception) as raised:
+        connection = await amqp.connect(amqp_url, "cronbus-review")
+        await connection.close()
+    assert transient.refusal(raised.value) is None, repr(raised.value)
