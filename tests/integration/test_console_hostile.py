@@ -1,4 +1,4 @@
-"""Review r16 (issue 12): a hostile ``before`` gets a 400 naming the field, never a 500.
+"""a hostile ``before`` gets a 400 naming the field, never a 500.
 
 ``before`` is parsed as RFC 3339 and then handed to PostgreSQL, which converts it to UTC: a
 valid time at the edge of the calendar with a far offset (9999-12-31T23:59:59-14:00) lies
@@ -16,7 +16,7 @@ import pytest
 
 from shared.index import Index
 from shared.store import Store
-from tests.integration.test_console import _client, _row, _seed, store  # noqa: F401 - fixture
+from tests.integration.test_console import _client, _row, _seed
 
 
 @pytest.mark.parametrize(
@@ -30,7 +30,7 @@ from tests.integration.test_console import _client, _row, _seed, store  # noqa: 
 async def test_a_before_outside_the_calendar_is_a_bad_request(
     database_url: str,
     index: Index,
-    store: Store,  # noqa: F811 - the fixture imported above
+    store: Store,
     path: str,
 ) -> None:
     await _seed(store)
@@ -47,7 +47,7 @@ async def test_a_before_outside_the_calendar_is_a_bad_request(
 async def test_the_definition_view_does_not_show_header_values(
     database_url: str,
     index: Index,
-    store: Store,  # noqa: F811 - the fixture imported above
+    store: Store,
 ) -> None:
     """Target URLs may not carry credentials ("put them in headers"), so a webhook's headers
     hold tenants' tokens; the console shows every namespace to every user of the proxy, and
