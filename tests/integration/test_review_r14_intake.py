@@ -1,0 +1,130 @@
+"""Review r14 of the command intake: max_schedules across concurrent batches, and per-schedule
+order when a command on several schedules waits for one of them."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aio_pika
+import pytest
+from aio_pika.abc import AbstractRobustConnection
+
+from services.dispatcher import batch
+from services.dispatcher.intake import Intake, Meta, Received
+from shared import codec, validation
+from shared.config import DispatcherSettings
+from shared.index import Index
+from shared.store import CommandAudit, Store
+from tests.conftest import SHARDS
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[Store]:
+    found = await Store.open(database_url)
+    yield found
+    await found.close()
+
+
+@pytest.fixture
+async def connection(amqp_url: str) -> AsyncIterator[AbstractRobustConnection]:
+    found = await aio_pika.connect_robust(amqp_url)
+    yield found
+    await found.close()
+
+
+async def no_wake(shard: int, fire_ms: int) -> None:
+    return None
+
+
+def every(schedule_id: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "id": schedule_id,
+        "spec": {"kind": "interval", "every_s": 60},
+        "target": {"kind": "webhook", "url": "https://example.com/x"},
+        "labels": labels or {},
+    }
+
+
+def upsert_item(namespace: str, raw: dict[str, Any]) -> batch.UpsertItem:
+    schedule = validation.parse_schedule(raw)
+    plan = validation.check_schedule(
+        schedule, 0, int(time.time() * 1000), validation.TargetPolicy()
+    )
+    audit = CommandAudit(namespace, "upsert", raw["id"], "ok")
+    return batch.UpsertItem(namespace, schedule, plan, audit=audit)
+
+
+class SlowCountStore(Store):
+    """The same PostgreSQL; the quota count is followed by a pause (a slow batch holding the
+    namespace's creation lock), so that another dispatcher's batch queues behind it."""
+
+    async def count_live_schedules(self, conn: Any, namespace: str) -> int:
+        live = await super().count_live_schedules(conn, namespace)
+        await asyncio.sleep(0.5)
+        return live
+
+
+async def test_max_schedules_holds_for_two_dispatchers_creating_at_once(
+    database_url: str,
+    store: Store,
+    index: Index,
+    connection: AbstractRobustConnection,
+    redis_prefix: str,
+    tmp_path: pathlib.Path,
+) -> None:
+    quotas = tmp_path / "quotas.json"
+    quotas.write_bytes(codec.dumps({"q": {"max_schedules": 1}}))
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS, quotas_file=str(quotas))
+    slow_store = await SlowCountStore.open(database_url)
+    try:
+        channel = await connection.channel()
+        first = Intake(settings, slow_store, index, channel, no_wake, asyncio.Event())
+        second = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+        one = asyncio.create_task(first.apply_batch([upsert_item("q", every("a"))]))
+        await asyncio.sleep(0.2)  # the first holds the creation lock, not yet committed
+        other = asyncio.create_task(second.apply_batch([upsert_item("q", every("b"))]))
+        effects = await asyncio.gather(one, other)
+    finally:
+        await slow_store.close()
+    outcomes = [
+        r.code if isinstance(r := effect.results[0], Exception) else "ok" for effect in effects
+    ]
+    live = [s for s in ("a", "b") if await store.get_schedule("q", s) is not None]
+    assert len(live) == 1, f"max_schedules 1, yet {live} were created: {outcomes}"
+
+
+async def test_a_command_on_two_schedules_keeps_its_place_on_the_one_it_does_not_wait_for(
+    store: Store, index: Index, connection: AbstractRobustConnection, redis_prefix: str
+) -> None:
+    channel = await connection.channel()
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS)
+    intake = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+
+    def command(verb: str, body: dict[str, Any]) -> Received:
+        return Received(codec.dumps(body), Meta(routing_key=f"o.{verb}"))
+
+    # An earlier command on "a" is still being applied (it holds a's lock).
+    held = intake._lock_for("o", "a")
+    await held.acquire()
+    # Then, in this order: an upsert_many of a and b, and an upsert of b alone.
+    many = asyncio.create_task(
+        intake._apply(
+            command("upsert_many", {"schedules": [every("a"), every("b", {"by": "first"})]})
+        )
+    )
+    await asyncio.sleep(0)
+    single = asyncio.create_task(
+        intake._apply(command("upsert", {"schedule": every("b", {"by": "second"})}))
+    )
+    await asyncio.sleep(0.5)
+    held.release()
+    await asyncio.gather(many, single)
+    row = await store.get_schedule("o", "b")
+    assert row is not None
+    assert row.labels == {"by": "second"}, (
+        "the upsert of b that arrived last was applied first and then overwritten"
+    )
