@@ -601,6 +601,8 @@ class Store:
 
     async def count_live_schedules(self, conn: Connection, namespace: str) -> int:
         """Live schedules of a namespace, holding its creation lock until the transaction ends."""
+        await conn.execute(QUERIES["lock_namespace_creations"], namespace)
+        # Counted in a new statement, so with a snapshot taken after the lock was granted.
         record = await conn.fetchrow(QUERIES["count_live_schedules"], namespace)
         return int(record["live"]) if record is not None else 0
 

@@ -282,11 +282,17 @@ INSERT INTO schedule_stats AS s (namespace, id, paused_version)
 VALUES ($1, $2, $3)
 ON CONFLICT (namespace, id) DO UPDATE SET paused_version = EXCLUDED.paused_version;
 
+-- lock_namespace_creations --
+-- The lock that serialises creations in a namespace (two creations racing cannot both pass
+-- the quota). A statement of its own: under READ COMMITTED a statement's snapshot is taken
+-- when it starts, so a count in the same statement would miss a creation committed while
+-- this one waited for the lock.
+SELECT pg_advisory_xact_lock(hashtextextended('cronbus-quota:' || $1, 0));
+
 -- count_live_schedules --
--- A namespace's schedules that are not deleted, counted for max_schedules under a lock that
--- serialises creations in the namespace (two creations racing cannot both pass the quota).
-SELECT pg_advisory_xact_lock(hashtextextended('cronbus-quota:' || $1, 0)),
-       (SELECT count(*) FROM schedules WHERE namespace = $1 AND state <> 'deleted') AS live;
+-- A namespace's schedules that are not deleted, counted for max_schedules (after
+-- lock_namespace_creations, in a statement of its own).
+SELECT count(*) AS live FROM schedules WHERE namespace = $1 AND state <> 'deleted';
 
 -- index_generation --
 -- The generation the Redis index must be at (or ahead of).
