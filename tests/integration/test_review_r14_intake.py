@@ -128,3 +128,31 @@ async def test_a_command_on_two_schedules_keeps_its_place_on_the_one_it_does_not
     assert row.labels == {"by": "second"}, (
         "the upsert of b that arrived last was applied first and then overwritten"
     )
+
+
+async def test_a_batch_whose_index_write_fails_after_the_commit_is_not_applied_twice(
+    store: Store, index: Index, connection: AbstractRobustConnection, redis_prefix: str
+) -> None:
+    import redis.exceptions
+
+    channel = await connection.channel()
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS)
+    intake = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+    real_upsert = index.upsert
+    failures = [redis.exceptions.ResponseError("OOM command not allowed")]
+
+    async def upsert_once_refused(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return await real_upsert(*args, **kwargs)
+
+    index.upsert = upsert_once_refused  # type: ignore[method-assign]
+    # Two upserts ready together: one group commit; Redis refuses its index write once.
+    results = await intake._commit_upserts(
+        [upsert_item("d", every("a")), upsert_item("d", every("b"))]
+    )
+    versions = {s: row.version for s in ("a", "b") if (row := await store.get_schedule("d", s))}
+    assert versions == {"a": 1, "b": 1}, (
+        f"each upsert was applied once, yet PostgreSQL holds versions {versions}; "
+        f"replies {[r if isinstance(r, Exception) else r['schedule']['version'] for r in results]}"
+    )
