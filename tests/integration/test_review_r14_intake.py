@@ -11,6 +11,7 @@ from typing import Any
 
 import aio_pika
 import pytest
+import redis.exceptions
 from aio_pika.abc import AbstractRobustConnection
 
 from services.dispatcher import batch
@@ -133,8 +134,6 @@ async def test_a_command_on_two_schedules_keeps_its_place_on_the_one_it_does_not
 async def test_a_batch_whose_index_write_fails_after_the_commit_is_not_applied_twice(
     store: Store, index: Index, connection: AbstractRobustConnection, redis_prefix: str
 ) -> None:
-    import redis.exceptions
-
     channel = await connection.channel()
     settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS)
     intake = Intake(settings, store, index, channel, no_wake, asyncio.Event())
