@@ -784,6 +784,10 @@ class Intake:
             await transient.retry(write, what="index write", stopping=self.stopping)
         except transient.Stopped:
             log.warning("index write left to drift repair", extra={"action": "index_deferred"})
+        except Exception:  # committed: raising would make callers apply it again
+            log.exception(
+                "index write refused; left to drift repair", extra={"action": "index_deferred"}
+            )
 
 
 def _current_of(row: ScheduleRow) -> rotation.Current:
