@@ -109,8 +109,16 @@ async def test_a_command_on_two_schedules_keeps_its_place_on_the_one_it_does_not
         return Received(codec.dumps(body), Meta(routing_key=f"o.{verb}"))
 
     # An earlier command on "a" is still being applied (it holds a's lock).
-    held = intake._lock_for("o", "a")
-    await held.acquire()
+    release = asyncio.Event()
+    holding = asyncio.Event()
+
+    async def earlier_on_a() -> None:
+        async with intake._locks_for("o", ["a"]):
+            holding.set()
+            await release.wait()
+
+    earlier = asyncio.create_task(earlier_on_a())
+    await holding.wait()
     # Then, in this order: an upsert_many of a and b, and an upsert of b alone.
     many = asyncio.create_task(
         intake._apply(
@@ -122,8 +130,8 @@ async def test_a_command_on_two_schedules_keeps_its_place_on_the_one_it_does_not
         intake._apply(command("upsert", {"schedule": every("b", {"by": "second"})}))
     )
     await asyncio.sleep(0.5)
-    held.release()
-    await asyncio.gather(many, single)
+    release.set()
+    await asyncio.gather(earlier, many, single)
     row = await store.get_schedule("o", "b")
     assert row is not None
     assert row.labels == {"by": "second"}, (
