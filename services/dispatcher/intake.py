@@ -182,7 +182,8 @@ class Intake:
         self.clock = clock
         self.policy = settings.target_policy()
         self.quotas = quotas.QuotaFile(settings.quotas_file)
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        #: Per schedule, the last command in its line (done when that command is).
+        self._tails: dict[tuple[str, str], asyncio.Future[None]] = {}
         self.committer: GroupCommit[batch.Item, dict[str, Any] | Exception] = GroupCommit(
             self._commit_upserts,
             max_items=settings.commands_batch,
@@ -311,21 +312,46 @@ class Intake:
 
     @contextlib.asynccontextmanager
     async def _locks_for(self, namespace: str, schedule_ids: list[str]) -> AsyncIterator[None]:
-        """The locks of every schedule a command touches, in id order (no deadlock)."""
-        async with contextlib.AsyncExitStack() as stack:
-            for schedule_id in sorted(set(schedule_ids)):
-                await stack.enter_async_context(self._lock_for(namespace, schedule_id))
-            yield
+        """Wait for every earlier command on any of these schedules, then run.
 
-    def _lock_for(self, namespace: str, schedule_id: str) -> asyncio.Lock:
-        """Commands on one schedule run one at a time in this process, in arrival order."""
-        key = (namespace, schedule_id)
-        lock = self._locks.get(key)
-        if lock is None:
-            if len(self._locks) > 10_000:
-                self._locks = {k: v for k, v in self._locks.items() if v.locked()}
-            lock = self._locks[key] = asyncio.Lock()
-        return lock
+        The command's place in the line of each schedule is taken at once, before any wait: a
+        command waiting for one of its schedules already holds its place on the others, so a
+        later command on those cannot overtake it (commands on one schedule run in arrival
+        order). It waits only for earlier commands: no deadlock.
+        """
+        members = [(namespace, schedule_id) for schedule_id in set(schedule_ids)]
+        earlier = {self._tails[m] for m in members if m in self._tails}
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for member in members:
+            self._tails[member] = mine
+        try:
+            if earlier:
+                await asyncio.wait(earlier)  # never cancels them
+            yield
+        finally:
+            self._release(mine, members, earlier)
+
+    def _release(
+        self,
+        mine: asyncio.Future[None],
+        members: list[tuple[str, str]],
+        earlier: set[asyncio.Future[None]],
+    ) -> None:
+        """Let the next commands go; a command cancelled while waiting lets them go only once
+        the commands before it are done."""
+
+        def done(_: object = None) -> None:
+            if not mine.done():
+                mine.set_result(None)
+            for member in members:
+                if self._tails.get(member) is mine:
+                    del self._tails[member]
+
+        waiting = [future for future in earlier if not future.done()]
+        if waiting:
+            asyncio.gather(*waiting).add_done_callback(done)
+        else:
+            done()
 
     async def _refuse(self, failure: ValidationFailed, received: Received) -> dict[str, Any]:
         meta = received.meta
