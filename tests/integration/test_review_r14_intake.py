@@ -163,3 +163,24 @@ async def test_a_batch_whose_index_write_fails_after_the_commit_is_not_applied_t
         f"each upsert was applied once, yet PostgreSQL holds versions {versions}; "
         f"replies {[r if isinstance(r, Exception) else r['schedule']['version'] for r in results]}"
     )
+
+
+async def test_one_new_schedule_twice_in_a_batch_counts_once_against_max_schedules(
+    store: Store,
+    index: Index,
+    connection: AbstractRobustConnection,
+    redis_prefix: str,
+    tmp_path: pathlib.Path,
+) -> None:
+    quotas = tmp_path / "quotas.json"
+    quotas.write_bytes(codec.dumps({"u": {"max_schedules": 1}}))
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS, quotas_file=str(quotas))
+    intake = Intake(settings, store, index, await connection.channel(), no_wake, asyncio.Event())
+    # As an upsert_many with the id twice sends it: the second is an update of the first.
+    effect = await intake.apply_batch(
+        [upsert_item("u", every("a")), upsert_item("u", every("a", {"v": "2"}))]
+    )
+    outcomes = [
+        r.code if isinstance(r, Exception) else r["schedule"]["version"] for r in effect.results
+    ]
+    assert outcomes == [1, 2]
