@@ -605,11 +605,14 @@ class Intake:
         (counted under the namespace's creation lock, so racing creations cannot both pass)."""
         refused: dict[int, ValidationFailed] = {}
         room: dict[str, int] = {}
+        #: New schedules already given a place: naming one again in the batch is an update.
+        placed: set[tuple[str, str]] = set()
         for i, item in enumerate(items):
             if not isinstance(item, batch.UpsertItem):
                 continue
-            old = stored.get((item.namespace, item.schedule.id))
-            if old is not None and old.state != "deleted":
+            key = (item.namespace, item.schedule.id)
+            old = stored.get(key)
+            if (old is not None and old.state != "deleted") or key in placed:
                 continue
             quota = self.quotas.of(item.namespace)
             if quota is None or quota.max_schedules is None:
@@ -628,6 +631,7 @@ class Intake:
                 )
             else:
                 room[item.namespace] -= 1
+                placed.add(key)
         return refused
 
     async def _with_stats(
