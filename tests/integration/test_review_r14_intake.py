@@ -4,6 +4,7 @@ order when a command on several schedules waits for one of them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pathlib
 import time
 from collections.abc import AsyncIterator
@@ -184,3 +185,44 @@ async def test_one_new_schedule_twice_in_a_batch_counts_once_against_max_schedul
         r.code if isinstance(r, Exception) else r["schedule"]["version"] for r in effect.results
     ]
     assert outcomes == [1, 2]
+
+
+class SlowReplayStore(Store):
+    """The same PostgreSQL; a pause after the replay check (a slow batch, not yet committed)."""
+
+    async def applied_commands(self, conn: Any, members: Any) -> Any:
+        found = await super().applied_commands(conn, members)
+        await asyncio.sleep(0.5)
+        return found
+
+
+async def test_one_message_id_on_two_commands_in_concurrent_batches_applies_only_one(
+    database_url: str,
+    store: Store,
+    index: Index,
+    connection: AbstractRobustConnection,
+    redis_prefix: str,
+) -> None:
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS)
+    slow_store = await SlowReplayStore.open(database_url)
+
+    def command(schedule_id: str) -> batch.UpsertItem:
+        raw = every(schedule_id)
+        item = upsert_item("m", raw)
+        return dataclasses.replace(item, message_id="same-id", body={"schedule": raw})
+
+    try:
+        channel = await connection.channel()
+        first = Intake(settings, slow_store, index, channel, no_wake, asyncio.Event())
+        second = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+        # Two commit workers (or two dispatchers): batches on different schedules overlap.
+        one = asyncio.create_task(first.apply_batch([command("a")]))
+        await asyncio.sleep(0.2)
+        other = asyncio.create_task(second.apply_batch([command("b")]))
+        effects = await asyncio.gather(one, other)
+    finally:
+        await slow_store.close()
+    outcomes = [r.code if isinstance(r := e.results[0], Exception) else "ok" for e in effects]
+    assert sorted(outcomes) == ["conflict", "ok"], (
+        f"message_id 'same-id' was used by two different commands, answered {outcomes}"
+    )
