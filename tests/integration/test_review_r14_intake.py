@@ -226,3 +226,47 @@ async def test_one_message_id_on_two_commands_in_concurrent_batches_applies_only
     assert sorted(outcomes) == ["conflict", "ok"], (
         f"message_id 'same-id' was used by two different commands, answered {outcomes}"
     )
+
+
+class SlowAuditStore(Store):
+    """The same PostgreSQL; a pause before a command's audit row is written in its transaction
+    (a trigger committing slowly)."""
+
+    async def record_command(self, audit: CommandAudit, conn: Any = None) -> None:
+        if conn is not None:
+            await asyncio.sleep(0.5)
+        await super().record_command(audit, conn)
+
+
+async def test_a_trigger_redelivered_to_another_dispatcher_mid_commit_runs_once(
+    database_url: str,
+    store: Store,
+    index: Index,
+    connection: AbstractRobustConnection,
+    redis_prefix: str,
+) -> None:
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS)
+    slow_store = await SlowAuditStore.open(database_url)
+    try:
+        channel = await connection.channel()
+        first = Intake(settings, slow_store, index, channel, no_wake, asyncio.Event())
+        second = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+        await second.apply_batch([upsert_item("t", every("a"))])
+
+        def trigger() -> Received:
+            meta = Meta(routing_key="t.trigger", message_id="trigger-1")
+            return Received(codec.dumps({"id": "a"}), meta)
+
+        # The first dispatcher's connection drops mid-command: the broker redelivers the same
+        # message to the second while the first is still committing it.
+        one = asyncio.create_task(first._apply(trigger()))
+        await asyncio.sleep(0.2)
+        other = asyncio.create_task(second._apply(trigger()))
+        replies = await asyncio.gather(one, other)
+    finally:
+        await slow_store.close()
+    pending = await store.pool.fetchval(
+        "SELECT count(*) FROM pending_runs WHERE namespace = 't' AND id = 'a'"
+    )
+    keys = [reply["trigger"]["idempotency_key"] for reply in replies if reply and reply["ok"]]
+    assert pending == 1, f"one trigger command, {pending} runs pending (keys {keys})"
