@@ -678,6 +678,12 @@ class Intake:
     ) -> dict[str, Any]:
         async with self.store.transaction() as conn:
             old = await self._existing(conn, namespace, schedule_id)
+            # Again under the row lock: a copy of this command redelivered to another
+            # dispatcher may have committed since the check before the transaction.
+            earlier = await self._applied_under_lock(conn, namespace, audit)
+            if earlier is not None:
+                await self._ensure_trigger(namespace, earlier)
+                return {**earlier, "duplicate": True}
             # Durable before the reply says ok: a rebuild of a lost index restores it.
             now = await self._pending_trigger(conn, namespace, schedule_id, self.now_ms())
             reply = {
@@ -704,6 +710,22 @@ class Intake:
         await self._write_index(lambda: self.index.add_trigger(shard, member, now))
         await self.wake(shard, now)
         return reply
+
+    async def _applied_under_lock(
+        self, conn: Any, namespace: str, audit: CommandAudit
+    ) -> dict[str, Any] | None:
+        """The reply of the trigger already applied under ``audit``'s message_id, read in the
+        transaction; ``conflict`` when that message_id was used for another command."""
+        message_id = audit.message_id
+        if not message_id:
+            return None
+        found = await self.store.applied_commands(conn, [(namespace, message_id)])
+        applied = found.get((namespace, message_id))
+        if applied is None:
+            return None
+        if applied.verb != "trigger" or applied.body != audit.body:
+            raise batch.message_id_conflict(namespace, message_id, applied.verb)
+        return applied.reply
 
     async def _pending_trigger(
         self, conn: Any, namespace: str, schedule_id: str, now_ms: int
