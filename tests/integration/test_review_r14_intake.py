@@ -270,3 +270,32 @@ async def test_a_trigger_redelivered_to_another_dispatcher_mid_commit_runs_once(
     )
     keys = [reply["trigger"]["idempotency_key"] for reply in replies if reply and reply["ok"]]
     assert pending == 1, f"one trigger command, {pending} runs pending (keys {keys})"
+
+
+async def test_a_delete_between_a_triggers_commit_and_its_index_write_leaves_nothing_to_fire(
+    store: Store, index: Index, connection: AbstractRobustConnection, redis_prefix: str
+) -> None:
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS)
+    channel = await connection.channel()
+    first = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+    second = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+    await second.apply_batch([upsert_item("r", every("a"))])
+    real_index = first._index
+
+    async def slow_index(*args: Any) -> None:
+        await asyncio.sleep(0.5)  # the trigger is committed; its index writes come late
+        await real_index(*args)
+
+    first._index = slow_index  # type: ignore[method-assign]
+    trigger = asyncio.create_task(first.trigger("r", "a", CommandAudit("r", "trigger", "a", "ok")))
+    await asyncio.sleep(0.2)
+    delete = CommandAudit("r", "delete", "a", "ok")
+    await second.apply_batch([batch.ChangeItem("r", "a", "delete", delete)])
+    reply = await trigger
+    fire_ms = reply["trigger"]["fire_time"]
+    claimed = [
+        c
+        for result in await index.claim(range(index.shards), 100, 30_000, now_ms=2_000_000_000_000)
+        for c in result.claimed
+    ]
+    assert claimed == [], f"schedule deleted, yet the index hands out {claimed} (trigger {fire_ms})"
