@@ -209,7 +209,10 @@ async def test_one_message_id_on_two_commands_in_concurrent_batches_applies_only
     def command(schedule_id: str) -> batch.UpsertItem:
         raw = every(schedule_id)
         item = upsert_item("m", raw)
-        return dataclasses.replace(item, message_id="same-id", body={"schedule": raw})
+        body = {"schedule": raw}
+        assert item.audit is not None
+        audit = dataclasses.replace(item.audit, message_id="same-id", body=body)
+        return dataclasses.replace(item, message_id="same-id", body=body, audit=audit)
 
     try:
         channel = await connection.channel()
