@@ -450,6 +450,14 @@ class Store:
             *_audit_columns(audits),
         )
 
+    async def lock_message_ids(self, conn: Connection, members: Sequence[tuple[str, str]]) -> None:
+        """Hold (namespace, message_id) until the transaction ends, for a replay check after."""
+        if members:
+            wanted = sorted(set(members))
+            await conn.execute(
+                QUERIES["lock_message_ids"], [ns for ns, _ in wanted], [m for _, m in wanted]
+            )
+
     async def applied_commands(
         self, conn: Connection, members: Sequence[tuple[str, str]]
     ) -> dict[tuple[str, str], AppliedCommand]:

@@ -572,9 +572,10 @@ class Intake:
         members = sorted({(item.namespace, batch.schedule_id_of(item)) for item in items})
         async with self.store.transaction() as conn:
             txn_now, stored = await self.store.lock_schedule_keys(conn, members)
-            applied = await self.store.applied_commands(
-                conn, [(i.namespace, i.message_id) for i in items if i.message_id]
-            )
+            message_ids = [(i.namespace, i.message_id) for i in items if i.message_id]
+            # Another batch may carry the same message_id for another schedule.
+            await self.store.lock_message_ids(conn, message_ids)
+            applied = await self.store.applied_commands(conn, message_ids)
             refused = await self._over_quota(conn, items, stored)
             kept = [item for i, item in enumerate(items) if i not in refused]
             effect = batch.apply_upserts(kept, stored, now, txn_now, applied)

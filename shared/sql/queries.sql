@@ -282,6 +282,13 @@ INSERT INTO schedule_stats AS s (namespace, id, paused_version)
 VALUES ($1, $2, $3)
 ON CONFLICT (namespace, id) DO UPDATE SET paused_version = EXCLUDED.paused_version;
 
+-- lock_message_ids --
+-- Commands carrying these (namespace, message_id) wait for each other until the transaction
+-- ends: two copies, or two commands reusing one id, cannot both find it unused. Locked in one
+-- order (no deadlock); the check that follows is a statement of its own (a fresh snapshot).
+SELECT pg_advisory_xact_lock(hashtextextended('cronbus-message:' || m.ns || ':' || m.mid, 0))
+FROM (SELECT * FROM unnest($1::text[], $2::text[]) AS u(ns, mid) ORDER BY 1, 2) AS m;
+
 -- lock_namespace_creations --
 -- The lock that serialises creations in a namespace (two creations racing cannot both pass
 -- the quota). A statement of its own: under READ COMMITTED a statement's snapshot is taken
