@@ -302,3 +302,21 @@ async def test_a_delete_between_a_triggers_commit_and_its_index_write_leaves_not
         for c in result.claimed
     ]
     assert claimed == [], f"schedule deleted, yet the index hands out {claimed} (trigger {fire_ms})"
+
+
+async def test_an_upsert_refused_for_its_version_takes_no_place_under_max_schedules(
+    store: Store,
+    index: Index,
+    connection: AbstractRobustConnection,
+    redis_prefix: str,
+    tmp_path: pathlib.Path,
+) -> None:
+    quotas = tmp_path / "quotas.json"
+    quotas.write_bytes(codec.dumps({"v": {"max_schedules": 1}}))
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS, quotas_file=str(quotas))
+    intake = Intake(settings, store, index, await connection.channel(), no_wake, asyncio.Event())
+    stale = dataclasses.replace(upsert_item("v", every("x")), expected_version=3)
+    # Ready together: one batch. The stale upsert refuses itself only.
+    effect = await intake.apply_batch([stale, upsert_item("v", every("y"))])
+    outcomes = [r.code if isinstance(r, Exception) else "ok" for r in effect.results]
+    assert outcomes == ["version_conflict", "ok"]
