@@ -615,6 +615,8 @@ class Intake:
             old = stored.get(key)
             if (old is not None and old.state != "deleted") or key in placed:
                 continue
+            if item.expected_version not in (None, 0):
+                continue  # refused for its version (nothing stored to match): creates nothing
             quota = self.quotas.of(item.namespace)
             if quota is None or quota.max_schedules is None:
                 continue
