@@ -320,3 +320,65 @@ async def test_an_upsert_refused_for_its_version_takes_no_place_under_max_schedu
     effect = await intake.apply_batch([stale, upsert_item("v", every("y"))])
     outcomes = [r.code if isinstance(r, Exception) else "ok" for r in effect.results]
     assert outcomes == ["version_conflict", "ok"]
+
+
+async def test_an_upsert_many_redelivered_to_another_dispatcher_mid_commit_applies_once(
+    database_url: str,
+    store: Store,
+    index: Index,
+    connection: AbstractRobustConnection,
+    redis_prefix: str,
+) -> None:
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS)
+    slow_store = await SlowReplayStore.open(database_url)
+    try:
+        channel = await connection.channel()
+        first = Intake(settings, slow_store, index, channel, no_wake, asyncio.Event())
+        second = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+
+        def many() -> Received:
+            meta = Meta(routing_key="w.upsert_many", message_id="many-1")
+            return Received(codec.dumps({"schedules": [every("a"), every("b")]}), meta)
+
+        one = asyncio.create_task(first._apply(many()))
+        await asyncio.sleep(0.2)
+        other = asyncio.create_task(second._apply(many()))
+        await asyncio.gather(one, other)
+    finally:
+        await slow_store.close()
+    versions = {s: row.version for s in ("a", "b") if (row := await store.get_schedule("w", s))}
+    assert versions == {"a": 1, "b": 1}, f"one command, applied twice: versions {versions}"
+
+
+async def test_two_dispatchers_creating_one_schedule_with_expected_version_0_create_it_once(
+    database_url: str,
+    store: Store,
+    index: Index,
+    connection: AbstractRobustConnection,
+    redis_prefix: str,
+) -> None:
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS)
+    slow_store = await SlowReplayStore.open(database_url)
+
+    def create(by: str) -> batch.UpsertItem:
+        return dataclasses.replace(upsert_item("c", every("a", {"by": by})), expected_version=0)
+
+    try:
+        channel = await connection.channel()
+        first = Intake(settings, slow_store, index, channel, no_wake, asyncio.Event())
+        second = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+        # Competing consumers of cronbus.commands: each dispatcher gets one of the two.
+        one = asyncio.create_task(first.apply_batch([create("first")]))
+        await asyncio.sleep(0.2)
+        other = asyncio.create_task(second.apply_batch([create("second")]))
+        effects = await asyncio.gather(one, other)
+    finally:
+        await slow_store.close()
+    outcomes = [
+        r.code
+        if isinstance(r := e.results[0], Exception)
+        else (r["created"], r["schedule"]["version"])
+        for e in effects
+    ]
+    # "Create only if absent" holds for one of them; the other is told of the conflict.
+    assert sorted(map(str, outcomes)) == ["(True, 1)", "version_conflict"], outcomes
