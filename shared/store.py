@@ -423,9 +423,10 @@ class Store:
     ) -> tuple[int, dict[tuple[str, str], ScheduleRow]]:
         """The transaction's now() (ms) and the schedules of any namespaces, locked in key order
         (no deadlock between batches)."""
-        records = await conn.fetch(
-            QUERIES["lock_schedule_keys"], [ns for ns, _ in members], [i for _, i in members]
-        )
+        namespaces, ids = [ns for ns, _ in members], [i for _, i in members]
+        await conn.execute(QUERIES["lock_schedule_key_names"], namespaces, ids)
+        # A statement of its own: its snapshot shows a creation committed while waiting.
+        records = await conn.fetch(QUERIES["lock_schedule_keys"], namespaces, ids)
         rows = {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records if r["id"]}
         return int(records[0]["txn_now_ms"]), rows
 

@@ -63,6 +63,12 @@ INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
                       correlation_id, body, outcome, error, version, reply)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10::jsonb, $11, $12::jsonb);
 
+-- lock_schedule_key_names --
+-- The keys of schedules a batch writes, stored or not (FOR UPDATE locks no row for one not
+-- stored yet: two creations of it would both pass), in one order (no deadlock).
+SELECT pg_advisory_xact_lock(hashtextextended('cronbus-schedule:' || k.ns || '/' || k.id, 0))
+FROM (SELECT * FROM unnest($1::text[], $2::text[]) AS u(ns, id) ORDER BY 1, 2) AS k;
+
 -- lock_schedule_keys --
 -- Schedules of any namespaces, locked until the transaction ends, and the transaction's
 -- timestamp (what now() writes as updated_at): one row with NULLs when none is stored yet.
