@@ -343,11 +343,12 @@ async def test_an_upsert_many_redelivered_to_another_dispatcher_mid_commit_appli
         one = asyncio.create_task(first._apply(many()))
         await asyncio.sleep(0.2)
         other = asyncio.create_task(second._apply(many()))
-        await asyncio.gather(one, other)
+        replies = await asyncio.gather(one, other)
     finally:
         await slow_store.close()
     versions = {s: row.version for s in ("a", "b") if (row := await store.get_schedule("w", s))}
     assert versions == {"a": 1, "b": 1}, f"one command, applied twice: versions {versions}"
+    assert sorted(bool(reply and reply.get("duplicate")) for reply in replies) == [False, True]
 
 
 async def test_two_dispatchers_creating_one_schedule_with_expected_version_0_create_it_once(
