@@ -45,7 +45,7 @@ from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
 from shared.index import Index, Upsert
 from shared.plan import Plan
-from shared.store import CommandAudit, PendingRun, ScheduleRow, Store
+from shared.store import AppliedCommand, CommandAudit, PendingRun, ScheduleRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,14 @@ def _error_of(failure: ValidationFailed) -> dict[str, Any]:
         "message": str(failure)[:2000],
         "details": failure.details[:MAX_ERROR_DETAILS],
     }
+
+
+class AlreadyApplied(Exception):
+    """The command was applied already (by a copy of it on another dispatcher)."""
+
+    def __init__(self, applied: AppliedCommand) -> None:
+        super().__init__("already applied")
+        self.applied = applied
 
 
 class Unparseable(ValidationFailed):
@@ -522,7 +530,16 @@ class Intake:
                 results.append(_item_result(schedule_id, outcome))
             return [dataclasses.replace(audit, reply={"ok": True, "results": results})]
 
-        await self.apply_batch(valid, answered)
+        message_id = audit.message_id
+        own = (audit.namespace or "", message_id) if message_id else None
+        try:
+            await self.apply_batch(valid, answered, own)
+        except AlreadyApplied as done:
+            if done.applied.verb != "upsert_many" or done.applied.body != audit.body:
+                raise batch.message_id_conflict(
+                    audit.namespace or "", message_id or "", done.applied.verb
+                ) from None
+            return {**done.applied.reply, "duplicate": True}
         return {"ok": True, "results": results}
 
     async def _commit_upserts(
@@ -564,18 +581,25 @@ class Intake:
         self,
         items: Sequence[batch.Item],
         more_audits: Callable[[batch.BatchEffect], list[CommandAudit]] | None = None,
+        own: tuple[str, str] | None = None,
     ) -> batch.BatchEffect:
         """Upserts in one PostgreSQL transaction (locks, one COPY, one audit statement), then
-        one index call per shard. ``more_audits`` adds rows that need the outcome."""
+        one index call per shard. ``more_audits`` adds rows that need the outcome. ``own`` is
+        the (namespace, message_id) of the command the batch is (an upsert_many): applied
+        already, nothing is written and ``AlreadyApplied`` says with what."""
         metrics.COMMAND_BATCH.observe(len(items))
         now = self.now_ms()
         members = sorted({(item.namespace, batch.schedule_id_of(item)) for item in items})
         async with self.store.transaction() as conn:
             txn_now, stored = await self.store.lock_schedule_keys(conn, members)
             message_ids = [(i.namespace, i.message_id) for i in items if i.message_id]
+            message_ids += [own] if own is not None else []
             # Another batch may carry the same message_id for another schedule.
             await self.store.lock_message_ids(conn, message_ids)
             applied = await self.store.applied_commands(conn, message_ids)
+            if own is not None and own in applied:
+                # A copy committed by another dispatcher since the check before the batch.
+                raise AlreadyApplied(applied[own])
             refused = await self._over_quota(conn, items, stored)
             kept = [item for i, item in enumerate(items) if i not in refused]
             effect = batch.apply_upserts(kept, stored, now, txn_now, applied)
