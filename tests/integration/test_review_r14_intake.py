@@ -289,7 +289,7 @@ async def test_a_delete_between_a_triggers_commit_and_its_index_write_leaves_not
         await asyncio.sleep(0.5)  # the trigger is committed; its index writes come late
         await real_index(*args)
 
-    first._index = slow_index  # type: ignore[method-assign]
+    first._index = slow_index  # type: ignore[method-assign,assignment]
     trigger = asyncio.create_task(first.trigger("r", "a", CommandAudit("r", "trigger", "a", "ok")))
     await asyncio.sleep(0.2)
     delete = CommandAudit("r", "delete", "a", "ok")
