@@ -423,9 +423,10 @@ class Store:
     ) -> tuple[int, dict[tuple[str, str], ScheduleRow]]:
         """The transaction's now() (ms) and the schedules of any namespaces, locked in key order
         (no deadlock between batches)."""
-        records = await conn.fetch(
-            QUERIES["lock_schedule_keys"], [ns for ns, _ in members], [i for _, i in members]
-        )
+        namespaces, ids = [ns for ns, _ in members], [i for _, i in members]
+        await conn.execute(QUERIES["lock_schedule_key_names"], namespaces, ids)
+        # A statement of its own: its snapshot shows a creation committed while waiting.
+        records = await conn.fetch(QUERIES["lock_schedule_keys"], namespaces, ids)
         rows = {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records if r["id"]}
         return int(records[0]["txn_now_ms"]), rows
 
@@ -449,6 +450,14 @@ class Store:
             [r.rotation_version for r in rows],
             *_audit_columns(audits),
         )
+
+    async def lock_message_ids(self, conn: Connection, members: Sequence[tuple[str, str]]) -> None:
+        """Hold (namespace, message_id) until the transaction ends, for a replay check after."""
+        if members:
+            wanted = sorted(set(members))
+            await conn.execute(
+                QUERIES["lock_message_ids"], [ns for ns, _ in wanted], [m for _, m in wanted]
+            )
 
     async def applied_commands(
         self, conn: Connection, members: Sequence[tuple[str, str]]
@@ -601,6 +610,8 @@ class Store:
 
     async def count_live_schedules(self, conn: Connection, namespace: str) -> int:
         """Live schedules of a namespace, holding its creation lock until the transaction ends."""
+        await conn.execute(QUERIES["lock_namespace_creations"], namespace)
+        # Counted in a new statement, so with a snapshot taken after the lock was granted.
         record = await conn.fetchrow(QUERIES["count_live_schedules"], namespace)
         return int(record["live"]) if record is not None else 0
 

@@ -45,7 +45,7 @@ from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
 from shared.index import Index, Upsert
 from shared.plan import Plan
-from shared.store import CommandAudit, PendingRun, ScheduleRow, Store
+from shared.store import AppliedCommand, CommandAudit, PendingRun, ScheduleRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,14 @@ def _error_of(failure: ValidationFailed) -> dict[str, Any]:
     }
 
 
+class AlreadyApplied(Exception):
+    """The command was applied already (by a copy of it on another dispatcher)."""
+
+    def __init__(self, applied: AppliedCommand) -> None:
+        super().__init__("already applied")
+        self.applied = applied
+
+
 class Unparseable(ValidationFailed):
     """The message is not a command at all (or keeps failing): it goes to the dead-letter
     queue, answered or not."""
@@ -182,7 +190,8 @@ class Intake:
         self.clock = clock
         self.policy = settings.target_policy()
         self.quotas = quotas.QuotaFile(settings.quotas_file)
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        #: Per schedule, the last command in its line (done when that command is).
+        self._tails: dict[tuple[str, str], asyncio.Future[None]] = {}
         self.committer: GroupCommit[batch.Item, dict[str, Any] | Exception] = GroupCommit(
             self._commit_upserts,
             max_items=settings.commands_batch,
@@ -311,21 +320,46 @@ class Intake:
 
     @contextlib.asynccontextmanager
     async def _locks_for(self, namespace: str, schedule_ids: list[str]) -> AsyncIterator[None]:
-        """The locks of every schedule a command touches, in id order (no deadlock)."""
-        async with contextlib.AsyncExitStack() as stack:
-            for schedule_id in sorted(set(schedule_ids)):
-                await stack.enter_async_context(self._lock_for(namespace, schedule_id))
-            yield
+        """Wait for every earlier command on any of these schedules, then run.
 
-    def _lock_for(self, namespace: str, schedule_id: str) -> asyncio.Lock:
-        """Commands on one schedule run one at a time in this process, in arrival order."""
-        key = (namespace, schedule_id)
-        lock = self._locks.get(key)
-        if lock is None:
-            if len(self._locks) > 10_000:
-                self._locks = {k: v for k, v in self._locks.items() if v.locked()}
-            lock = self._locks[key] = asyncio.Lock()
-        return lock
+        The command's place in the line of each schedule is taken at once, before any wait: a
+        command waiting for one of its schedules already holds its place on the others, so a
+        later command on those cannot overtake it (commands on one schedule run in arrival
+        order). It waits only for earlier commands: no deadlock.
+        """
+        members = [(namespace, schedule_id) for schedule_id in set(schedule_ids)]
+        earlier = {self._tails[m] for m in members if m in self._tails}
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for member in members:
+            self._tails[member] = mine
+        try:
+            if earlier:
+                await asyncio.wait(earlier)  # never cancels them
+            yield
+        finally:
+            self._release(mine, members, earlier)
+
+    def _release(
+        self,
+        mine: asyncio.Future[None],
+        members: list[tuple[str, str]],
+        earlier: set[asyncio.Future[None]],
+    ) -> None:
+        """Let the next commands go; a command cancelled while waiting lets them go only once
+        the commands before it are done."""
+
+        def done(_: object = None) -> None:
+            if not mine.done():
+                mine.set_result(None)
+            for member in members:
+                if self._tails.get(member) is mine:
+                    del self._tails[member]
+
+        waiting = [future for future in earlier if not future.done()]
+        if waiting:
+            asyncio.gather(*waiting).add_done_callback(done)
+        else:
+            done()
 
     async def _refuse(self, failure: ValidationFailed, received: Received) -> dict[str, Any]:
         meta = received.meta
@@ -496,7 +530,16 @@ class Intake:
                 results.append(_item_result(schedule_id, outcome))
             return [dataclasses.replace(audit, reply={"ok": True, "results": results})]
 
-        await self.apply_batch(valid, answered)
+        message_id = audit.message_id
+        own = (audit.namespace or "", message_id) if message_id else None
+        try:
+            await self.apply_batch(valid, answered, own)
+        except AlreadyApplied as done:
+            if done.applied.verb != "upsert_many" or done.applied.body != audit.body:
+                raise batch.message_id_conflict(
+                    audit.namespace or "", message_id or "", done.applied.verb
+                ) from None
+            return {**done.applied.reply, "duplicate": True}
         return {"ok": True, "results": results}
 
     async def _commit_upserts(
@@ -538,17 +581,25 @@ class Intake:
         self,
         items: Sequence[batch.Item],
         more_audits: Callable[[batch.BatchEffect], list[CommandAudit]] | None = None,
+        own: tuple[str, str] | None = None,
     ) -> batch.BatchEffect:
         """Upserts in one PostgreSQL transaction (locks, one COPY, one audit statement), then
-        one index call per shard. ``more_audits`` adds rows that need the outcome."""
+        one index call per shard. ``more_audits`` adds rows that need the outcome. ``own`` is
+        the (namespace, message_id) of the command the batch is (an upsert_many): applied
+        already, nothing is written and ``AlreadyApplied`` says with what."""
         metrics.COMMAND_BATCH.observe(len(items))
         now = self.now_ms()
         members = sorted({(item.namespace, batch.schedule_id_of(item)) for item in items})
         async with self.store.transaction() as conn:
             txn_now, stored = await self.store.lock_schedule_keys(conn, members)
-            applied = await self.store.applied_commands(
-                conn, [(i.namespace, i.message_id) for i in items if i.message_id]
-            )
+            message_ids = [(i.namespace, i.message_id) for i in items if i.message_id]
+            message_ids += [own] if own is not None else []
+            # Another batch may carry the same message_id for another schedule.
+            await self.store.lock_message_ids(conn, message_ids)
+            applied = await self.store.applied_commands(conn, message_ids)
+            if own is not None and own in applied:
+                # A copy committed by another dispatcher since the check before the batch.
+                raise AlreadyApplied(applied[own])
             refused = await self._over_quota(conn, items, stored)
             kept = [item for i, item in enumerate(items) if i not in refused]
             effect = batch.apply_upserts(kept, stored, now, txn_now, applied)
@@ -579,12 +630,17 @@ class Intake:
         (counted under the namespace's creation lock, so racing creations cannot both pass)."""
         refused: dict[int, ValidationFailed] = {}
         room: dict[str, int] = {}
+        #: New schedules already given a place: naming one again in the batch is an update.
+        placed: set[tuple[str, str]] = set()
         for i, item in enumerate(items):
             if not isinstance(item, batch.UpsertItem):
                 continue
-            old = stored.get((item.namespace, item.schedule.id))
-            if old is not None and old.state != "deleted":
+            key = (item.namespace, item.schedule.id)
+            old = stored.get(key)
+            if (old is not None and old.state != "deleted") or key in placed:
                 continue
+            if item.expected_version not in (None, 0):
+                continue  # refused for its version (nothing stored to match): creates nothing
             quota = self.quotas.of(item.namespace)
             if quota is None or quota.max_schedules is None:
                 continue
@@ -602,6 +658,7 @@ class Intake:
                 )
             else:
                 room[item.namespace] -= 1
+                placed.add(key)
         return refused
 
     async def _with_stats(
@@ -648,6 +705,12 @@ class Intake:
     ) -> dict[str, Any]:
         async with self.store.transaction() as conn:
             old = await self._existing(conn, namespace, schedule_id)
+            # Again under the row lock: a copy of this command redelivered to another
+            # dispatcher may have committed since the check before the transaction.
+            earlier = await self._applied_under_lock(conn, namespace, audit)
+            if earlier is not None:
+                await self._ensure_trigger(namespace, earlier)
+                return {**earlier, "duplicate": True}
             # Durable before the reply says ok: a rebuild of a lost index restores it.
             now = await self._pending_trigger(conn, namespace, schedule_id, self.now_ms())
             reply = {
@@ -674,6 +737,22 @@ class Intake:
         await self._write_index(lambda: self.index.add_trigger(shard, member, now))
         await self.wake(shard, now)
         return reply
+
+    async def _applied_under_lock(
+        self, conn: Any, namespace: str, audit: CommandAudit
+    ) -> dict[str, Any] | None:
+        """The reply of the trigger already applied under ``audit``'s message_id, read in the
+        transaction; ``conflict`` when that message_id was used for another command."""
+        message_id = audit.message_id
+        if not message_id:
+            return None
+        found = await self.store.applied_commands(conn, [(namespace, message_id)])
+        applied = found.get((namespace, message_id))
+        if applied is None:
+            return None
+        if applied.verb != "trigger" or applied.body != audit.body:
+            raise batch.message_id_conflict(namespace, message_id, applied.verb)
+        return applied.reply
 
     async def _pending_trigger(
         self, conn: Any, namespace: str, schedule_id: str, now_ms: int
@@ -784,6 +863,10 @@ class Intake:
             await transient.retry(write, what="index write", stopping=self.stopping)
         except transient.Stopped:
             log.warning("index write left to drift repair", extra={"action": "index_deferred"})
+        except Exception:  # committed: raising would make callers apply it again
+            log.exception(
+                "index write refused; left to drift repair", extra={"action": "index_deferred"}
+            )
 
 
 def _current_of(row: ScheduleRow) -> rotation.Current:

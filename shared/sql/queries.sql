@@ -63,6 +63,12 @@ INSERT INTO commands (namespace, verb, schedule_id, user_id, app_id, message_id,
                       correlation_id, body, outcome, error, version, reply)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10::jsonb, $11, $12::jsonb);
 
+-- lock_schedule_key_names --
+-- The keys of schedules a batch writes, stored or not (FOR UPDATE locks no row for one not
+-- stored yet: two creations of it would both pass), in one order (no deadlock).
+SELECT pg_advisory_xact_lock(hashtextextended('cronbus-schedule:' || k.ns || '/' || k.id, 0))
+FROM (SELECT * FROM unnest($1::text[], $2::text[]) AS u(ns, id) ORDER BY 1, 2) AS k;
+
 -- lock_schedule_keys --
 -- Schedules of any namespaces, locked until the transaction ends, and the transaction's
 -- timestamp (what now() writes as updated_at): one row with NULLs when none is stored yet.
@@ -282,11 +288,24 @@ INSERT INTO schedule_stats AS s (namespace, id, paused_version)
 VALUES ($1, $2, $3)
 ON CONFLICT (namespace, id) DO UPDATE SET paused_version = EXCLUDED.paused_version;
 
+-- lock_message_ids --
+-- Commands carrying these (namespace, message_id) wait for each other until the transaction
+-- ends: two copies, or two commands reusing one id, cannot both find it unused. Locked in one
+-- order (no deadlock); the check that follows is a statement of its own (a fresh snapshot).
+SELECT pg_advisory_xact_lock(hashtextextended('cronbus-message:' || m.ns || ':' || m.mid, 0))
+FROM (SELECT * FROM unnest($1::text[], $2::text[]) AS u(ns, mid) ORDER BY 1, 2) AS m;
+
+-- lock_namespace_creations --
+-- The lock that serialises creations in a namespace (two creations racing cannot both pass
+-- the quota). A statement of its own: under READ COMMITTED a statement's snapshot is taken
+-- when it starts, so a count in the same statement would miss a creation committed while
+-- this one waited for the lock.
+SELECT pg_advisory_xact_lock(hashtextextended('cronbus-quota:' || $1, 0));
+
 -- count_live_schedules --
--- A namespace's schedules that are not deleted, counted for max_schedules under a lock that
--- serialises creations in the namespace (two creations racing cannot both pass the quota).
-SELECT pg_advisory_xact_lock(hashtextextended('cronbus-quota:' || $1, 0)),
-       (SELECT count(*) FROM schedules WHERE namespace = $1 AND state <> 'deleted') AS live;
+-- A namespace's schedules that are not deleted, counted for max_schedules (after
+-- lock_namespace_creations, in a statement of its own).
+SELECT count(*) AS live FROM schedules WHERE namespace = $1 AND state <> 'deleted';
 
 -- index_generation --
 -- The generation the Redis index must be at (or ahead of).
