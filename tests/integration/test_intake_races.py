@@ -1,4 +1,4 @@
-"""Review r14 of the command intake: max_schedules across concurrent batches, and per-schedule
+"""max_schedules across concurrent batches, and per-schedule
 order when a command on several schedules waits for one of them."""
 
 from __future__ import annotations
