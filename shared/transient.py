@@ -32,6 +32,9 @@ ERRORS: tuple[type[BaseException], ...] = (
     # A database removed while the service runs (3D000 on reconnecting) is waited for like a
     # server that is down; only at start is it a refusal (``refusal`` is asked first there).
     asyncpg.InvalidCatalogNameError,
+    # A connection the server dropped in the middle of an operation (its database removed)
+    # is left in a state asyncpg refuses to reuse; a fresh connection is the cure.
+    asyncpg.InternalClientError,
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
     redis_errors.BusyLoadingError,
