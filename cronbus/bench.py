@@ -27,7 +27,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import asyncpg
 import redis.asyncio as aioredis
 
-from cronbus import console_bench, procs
+from cronbus import benchcpu, console_bench, procs
 from cronbus.common import CliError
 from cronbus.procs import ServiceProcess
 from cronbus.sink import Received, Sink
@@ -112,7 +112,7 @@ async def _drop_corner(
         async for key in client.scan_iter(match=f"{found.prefix}:*", count=1000):
             batch.append(key)
         for start in range(0, len(batch), 1000):
-            await client.delete(*batch[start : start + 1000])
+            await client.unlink(*batch[start : start + 1000])
     await client.aclose()
     if ctl and found.vhost:
         await asyncio.to_thread(_rabbitmqctl, ctl, "delete_vhost", found.vhost, check=False)
@@ -141,6 +141,60 @@ class Run:
 
     def cpu_seconds(self) -> float:
         return sum(p.cpu_seconds() for p in self.processes)
+
+    def pids(self, name: str) -> set[int]:
+        return {p.pid for p in self.processes if p.name == name}
+
+
+def _port(url: str, default: int) -> int:
+    return urlsplit(url).port or default
+
+
+@dataclass
+class Meter:
+    """Samples the CPU time of every component of a run, by PID (see ``cronbus.benchcpu``).
+
+    The servers are found by the port they listen on, so private servers other work runs
+    on the same machine are not counted; Redis and RabbitMQ are still shared with whatever
+    else uses the same servers. PostgreSQL counts the postmaster, its own processes and the
+    backends of the run's database only.
+    """
+
+    run: Run
+    sink_port: int
+    external_sink: bool
+
+    def _sink_pids(self) -> set[int]:
+        if not self.external_sink:
+            return {os.getpid()}  # the in-process sink: the bench process itself
+        holders = benchcpu.listening_pids(self.sink_port)
+        return holders | benchcpu.children_of(holders)
+
+    def sample(self) -> dict[str, dict[int, float]]:
+        found = self.run.corner
+        database = db.split_database_url(found.database_url)[1]
+        pids = {
+            "executors": self.run.pids("executor"),
+            "dispatcher": self.run.pids("dispatcher"),
+            "sweeper": self.run.pids("sweeper"),
+            "redis": benchcpu.listening_pids(_port(found.redis_url, 6379)),
+            "rabbitmq": benchcpu.listening_pids(_port(found.amqp_url, 5672)),
+            "postgresql": benchcpu.postgres_pids(_port(found.database_url, 5432), database),
+            "sink": self._sink_pids(),
+        }
+        sample = {name: benchcpu.times_of(group) for name, group in pids.items()}
+        sample["machine"] = {0: benchcpu.host_cpu_seconds()}
+        return sample
+
+
+def cpu_figures(before: benchcpu.Sample, after: benchcpu.Sample, fires: int) -> dict[str, Any]:
+    by_component = benchcpu.ms_per_fire(before, after, fires)
+    machine = by_component.pop("machine", math.nan)
+    return {
+        "cpu_ms_per_fire": benchcpu.services_total(by_component),
+        "cpu_ms_per_fire_by_component": by_component,
+        "host_cpu_ms_per_fire": machine,
+    }
 
 
 def _free_port() -> int:
@@ -231,7 +285,12 @@ def herd_lines(n: int, first_ms: int, url: str) -> Iterator[bytes]:
 
 
 def herd_figures(
-    n: int, due_ms: int, received: list[Received], bytes_per: float, import_s: float, cpu_s: float
+    n: int,
+    due_ms: int,
+    received: list[Received],
+    bytes_per: float,
+    import_s: float,
+    cpu: dict[str, Any],
 ) -> dict[str, Any]:
     first = [r for r in received if r.attempt == 1]
     occurrences = {(r.schedule, r.fire_time) for r in received}
@@ -249,7 +308,7 @@ def herd_figures(
         "duplicates": len(received) - len(occurrences),
         "redis_bytes_per_schedule": round(bytes_per, 1),
         "import_s": round(import_s, 2),
-        "cpu_ms_per_fire": round(cpu_s * 1000 / max(len(received), 1), 3),
+        **cpu,
     }
 
 
@@ -257,13 +316,93 @@ async def _herd(args: argparse.Namespace) -> dict[str, Any]:
     return await _with_services(args, _herd_measured)
 
 
-Measure = Callable[[argparse.Namespace, Corner, "Run", Sink], Awaitable[dict[str, Any]]]
+@dataclass
+class ExternalSink:
+    """A sink the bench did not start (``--sink-url``), so its CPU is not the bench's own.
+
+    What arrived is read back from the execution rows (one per occurrence: duplicates are
+    not visible this way; the time is the start of the attempt, not the arrival), and
+    progress from the executors' ``cronbus_audit_rows_written_total``.
+    """
+
+    url: str
+
+    async def stop(self) -> None:
+        """Nothing to stop: someone else runs it."""
+
+
+AnySink = Sink | ExternalSink
+
+
+def parse_sink_url(url: str) -> str:
+    """``--sink-url``: an http URL of a loopback host with a port, without a trailing slash."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise CliError(f"--sink-url: {url!r} is not an http URL of a loopback host")
+    if parts.port is None:
+        raise CliError(f"--sink-url: {url!r} names no port")
+    return url.rstrip("/")
+
+
+async def _rows_written(run: Run) -> float:
+    total = 0.0
+    for process in run.processes:
+        if process.name != "executor":
+            continue
+        _, text = await asyncio.to_thread(process.get, "/metrics")
+        for line in text.splitlines():
+            if line.startswith("cronbus_audit_rows_written_total "):
+                total += float(line.split()[1])
+    return total
+
+
+async def _wait_delivered(sink: AnySink, run: Run, n: int, timeout_s: float) -> None:
+    """Until ``n`` deliveries arrived (in-process sink) or ``n`` rows were written (external)."""
+    if isinstance(sink, Sink):
+        await sink.wait_for(lambda s: len(s.received) >= n, timeout_s=timeout_s)
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await _rows_written(run) >= n:
+            return
+        await asyncio.sleep(0.5)  # polling another process's metrics: no event to wait on
+
+
+async def _received(sink: AnySink, found: Corner) -> list[Received]:
+    """What arrived, as the in-process sink saw it or as the execution rows tell it."""
+    if isinstance(sink, Sink):
+        return list(sink.received)
+    conn = await asyncpg.connect(found.database_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT namespace, id, nominal_at, attempts, lateness_ms FROM executions"
+        )
+    finally:
+        await conn.close()
+    fires = []
+    for row in rows:
+        nominal_ms = int(row["nominal_at"].timestamp() * 1000)
+        headers = {
+            "x-cronbus-schedule": f"{row['namespace']}/{row['id']}",
+            "x-cronbus-fire-time": timefmt.format_ms(nominal_ms),
+            "x-cronbus-attempt": str(row["attempts"]),
+        }
+        fires.append(Received(nominal_ms + row["lateness_ms"], "POST", "", headers, b""))
+    return fires
+
+
+Measure = Callable[[argparse.Namespace, Corner, "Run", AnySink], Awaitable[dict[str, Any]]]
 
 
 async def _with_services(args: argparse.Namespace, measure: Measure) -> dict[str, Any]:
     """A sink and the services running in a corner of their own, around ``measure``."""
-    sink = Sink()
-    await sink.start()
+    sink_url = getattr(args, "sink_url", None)
+    sink: AnySink
+    if sink_url:
+        sink = ExternalSink(parse_sink_url(sink_url))
+    else:
+        sink = Sink()
+        await sink.start()
     try:
         async with corner(CommonSettings()) as found:
             with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
@@ -281,23 +420,52 @@ async def _with_services(args: argparse.Namespace, measure: Measure) -> dict[str
         await sink.stop()
 
 
+def _meter(run: Run, sink: AnySink) -> Meter:
+    return Meter(run, _port(sink.url, 80), isinstance(sink, ExternalSink))
+
+
+def check_import(
+    args: argparse.Namespace, import_end_ms: int, window_start_ms: int
+) -> dict[str, Any]:
+    """Refuse a run whose import ran into the measured window, or flag it (--allow-overlap)."""
+    window = benchcpu.ImportWindow(import_end_ms, window_start_ms)
+    refusal = window.refusal()
+    if refusal is not None and not args.allow_overlap:
+        raise CliError(refusal)
+    figures: dict[str, Any] = {"import_margin_s": window.margin_s}
+    if refusal is not None:
+        figures["import_overlap_s"] = round(window.overlap_ms / 1000, 3)
+        figures["flagged"] = "the import overlapped the measured window"
+    return figures
+
+
 async def _herd_measured(
-    args: argparse.Namespace, found: Corner, run: Run, sink: Sink
+    args: argparse.Namespace, found: Corner, run: Run, sink: AnySink
 ) -> dict[str, Any]:
     n = args.n
     before = await _redis_used_memory(found.redis_url)
-    lead_s = args.lead_s if args.lead_s is not None else 5 + n / 15_000
+    lead_s = args.lead_s if args.lead_s is not None else 5 + n / 8_000
     due_ms = (int((time.time() + lead_s) * 1000) // 1000 + 1) * 1000
     imported, import_s = await _import(found, herd_lines(n, due_ms, f"{sink.url}/herd"))
     bytes_per = (await _redis_used_memory(found.redis_url) - before) / max(imported, 1)
-    if time.time() * 1000 >= due_ms:
-        raise CliError(f"the import took {import_s:.1f}s, past the due instant: raise --lead-s")
+    overlap = check_import(args, int(time.time() * 1000), due_ms)
+    meter = _meter(run, sink)
     await asyncio.sleep(max(due_ms / 1000 - time.time(), 0))
-    cpu_before = run.cpu_seconds()
-    await sink.wait_for(lambda s: len(s.received) >= n, timeout_s=args.timeout_s)
-    cpu_s = run.cpu_seconds() - cpu_before
+    cpu_before = meter.sample()
+    await _wait_delivered(sink, run, n, args.timeout_s)
+    cpu_after = meter.sample()
     await asyncio.sleep(args.settle_s)  # late duplicates, if any, arrive meanwhile
-    return herd_figures(n, due_ms, list(sink.received), bytes_per, import_s, cpu_s)
+    received = await _received(sink, found)
+    figures = herd_figures(
+        n, due_ms, received, bytes_per, import_s, cpu_figures(cpu_before, cpu_after, n)
+    )
+    if isinstance(sink, ExternalSink):
+        figures["duplicates"] = None  # one row per occurrence: not visible from the rows
+    return {**figures, **overlap, "sink": _sink_kind(sink)}
+
+
+def _sink_kind(sink: AnySink) -> str:
+    return f"external {sink.url}" if isinstance(sink, ExternalSink) else "in-process"
 
 
 # --- fairness -------------------------------------------------------------------------------
@@ -329,8 +497,10 @@ async def _fairness(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _fairness_measured(
-    args: argparse.Namespace, found: Corner, run: Run, sink: Sink
+    args: argparse.Namespace, found: Corner, run: Run, sink: AnySink
 ) -> dict[str, Any]:
+    if not isinstance(sink, Sink):
+        raise CliError("bench fairness reads its figures from the in-process sink only")
     n, small = args.n, args.small
     lead_s = args.lead_s if args.lead_s is not None else 5 + n / 4000
     due_ms = (int((time.time() + lead_s) * 1000) // 1000 + 1) * 1000
@@ -371,12 +541,12 @@ async def _steady(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _steady_measured(
-    args: argparse.Namespace, found: Corner, run: Run, sink: Sink
+    args: argparse.Namespace, found: Corner, run: Run, sink: AnySink
 ) -> dict[str, Any]:
     n = args.schedules
     every_ms = round(n * 1000 / args.rate)
     before = await _redis_used_memory(found.redis_url)
-    lead_s = args.lead_s if args.lead_s is not None else 5 + n / 15_000
+    lead_s = args.lead_s if args.lead_s is not None else 5 + n / 8_000
     first_ms = (int((time.time() + lead_s) * 1000) // 1000 + 1) * 1000
     imported, import_s = await _import(
         found, steady_lines(n, every_ms, first_ms, f"{sink.url}/steady")
@@ -384,16 +554,18 @@ async def _steady_measured(
     bytes_per = (await _redis_used_memory(found.redis_url) - before) / max(imported, 1)
     start_ms = first_ms + args.warmup_s * 1000
     end_ms = start_ms + args.duration_s * 1000
+    overlap = check_import(args, int(time.time() * 1000), start_ms)
+    meter = _meter(run, sink)
     await asyncio.sleep(max(start_ms / 1000 - time.time(), 0))
-    cpu_before, host_before = run.cpu_seconds(), _host_cpu_seconds()
+    cpu_before = meter.sample()
     await asyncio.sleep(max(end_ms / 1000 - time.time(), 0))
-    cpu_s, host_s = run.cpu_seconds() - cpu_before, _host_cpu_seconds() - host_before
-    await asyncio.sleep(args.settle_s)
-    window = [
-        r for r in sink.received if start_ms <= timefmt.parse_rfc3339_ms(r.fire_time) < end_ms
-    ]
-    late = [r.at_ms - timefmt.parse_rfc3339_ms(r.fire_time) for r in window if r.attempt == 1]
+    cpu_after = meter.sample()
     expected = _expected_fires(n, every_ms, first_ms, start_ms, end_ms)
+    # Fires of the window still on their way are late, not lost: wait for them (bounded).
+    drained_s = await _wait_window(sink, found, start_ms, end_ms, expected, args.timeout_s)
+    await asyncio.sleep(args.settle_s)
+    window = await _window(sink, found, start_ms, end_ms)
+    late = [r.at_ms - timefmt.parse_rfc3339_ms(r.fire_time) for r in window if r.attempt == 1]
     occurrences = {(r.schedule, r.fire_time) for r in window}
     return {
         "schedules": n,
@@ -402,15 +574,41 @@ async def _steady_measured(
         "fires": len(window),
         "expected_fires": expected,
         "lost": expected - len(occurrences),
-        "duplicates": len(window) - len(occurrences),
+        "duplicates": len(window) - len(occurrences) if isinstance(sink, Sink) else None,
+        "window_drained_after_s": drained_s,
         "lateness_p50_ms": round(_percentile(late, 0.50), 1),
         "lateness_p99_ms": round(_percentile(late, 0.99), 1),
         "lateness_max_ms": round(max(late, default=math.nan), 1),
-        "cpu_ms_per_fire": round(cpu_s * 1000 / max(len(window), 1), 3),
-        "host_cpu_ms_per_fire": round(host_s * 1000 / max(len(window), 1), 3),
+        **cpu_figures(cpu_before, cpu_after, len(window)),
         "redis_bytes_per_schedule": round(bytes_per, 1),
         "import_s": round(import_s, 2),
+        **overlap,
+        "sink": _sink_kind(sink),
     }
+
+
+async def _window(sink: AnySink, found: Corner, start_ms: int, end_ms: int) -> list[Received]:
+    """What arrived of the occurrences due inside the measured window."""
+    return [
+        r
+        for r in await _received(sink, found)
+        if start_ms <= timefmt.parse_rfc3339_ms(r.fire_time) < end_ms
+    ]
+
+
+async def _wait_window(
+    sink: AnySink, found: Corner, start_ms: int, end_ms: int, expected: int, timeout_s: float
+) -> float | None:
+    """Seconds after the window's end until every occurrence due in it arrived; None when some
+    had not after ``timeout_s`` (they are then counted as lost)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        arrived = {(r.schedule, r.fire_time) for r in await _window(sink, found, start_ms, end_ms)}
+        if len(arrived) >= expected:
+            return round(max(time.time() - end_ms / 1000, 0.0), 1)
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(1)  # reading rows or the sink's list: no event to wait on
 
 
 def _expected_fires(n: int, every_ms: int, first_ms: int, start_ms: int, end_ms: int) -> int:
@@ -423,13 +621,6 @@ def _expected_fires(n: int, every_ms: int, first_ms: int, start_ms: int, end_ms:
     return count
 
 
-def _host_cpu_seconds() -> float:
-    """CPU time the whole machine spent (all processes: Redis, RabbitMQ, PostgreSQL too)."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    busy = sum(int(v) for i, v in enumerate(fields) if i not in (3, 4))  # not idle, iowait
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
 # --- rebuild and import ----------------------------------------------------------------------
 
 
@@ -439,7 +630,9 @@ async def _forget_index(found: Corner) -> None:
     try:
         doomed = [key async for key in client.scan_iter(match=f"{found.prefix}:*", count=5000)]
         for start in range(0, len(doomed), 5000):
-            await client.delete(*doomed[start : start + 5000])
+            # UNLINK frees in the background: a DEL of a shard's keys at 10M schedules blocks
+            # Redis for longer than a client's read timeout.
+            await client.unlink(*doomed[start : start + 5000])
     finally:
         await client.aclose()
 
@@ -539,6 +732,12 @@ def add_parser(sub: Any) -> None:
         "--duration", dest="duration_s", type=int, default=30, help="seconds measured"
     )
     steady.add_argument("--warmup-s", type=int, default=5)
+    steady.add_argument(
+        "--timeout-s",
+        type=float,
+        default=120,
+        help="seconds after the window to wait for its late fires before counting them lost",
+    )
     steady.set_defaults(handler=run_steady)
     rebuild = kinds.add_parser(
         "rebuild", help="import N schedules, lose the Redis index, time the sweeper's rebuild"
@@ -550,6 +749,18 @@ def add_parser(sub: Any) -> None:
     from cronbus import bench_intake  # noqa: PLC0415 - it builds on this module
 
     intake = bench_intake.add_kind(kinds)
+    for kind in (herd, steady):
+        kind.add_argument(
+            "--sink-url",
+            help="deliver to this sink (http, loopback, e.g. an nginx answering 200) instead "
+            "of the bench's in-process one, so the sink's CPU is not the bench's",
+        )
+        kind.add_argument(
+            "--allow-overlap",
+            action="store_true",
+            help="report a run whose import ran into the measured window, flagged, "
+            "instead of refusing it",
+        )
     for kind in (herd, fairness, steady, rebuild, intake):
         kind.add_argument("--json", action="store_true", help="one JSON line of figures")
         kind.add_argument(

@@ -50,6 +50,19 @@ def _add_commands(sub: Subparsers) -> None:
         p.add_argument("id", help="schedule id")
         _with_namespace(p)
         p.set_defaults(handler=commands.run_by_id)
+    p = sub.add_parser(
+        "backfill",
+        help="deliver again each past occurrence of a schedule in [--from, --to), oldest "
+        "first, one at a time (header X-Cronbus-Backfill: true)",
+    )
+    p.add_argument("id", help="schedule id")
+    p.add_argument("--from", dest="from_", required=True, help="RFC 3339 instant (inclusive)")
+    p.add_argument("--to", required=True, help="RFC 3339 instant (exclusive), not in the future")
+    p.add_argument(
+        "--limit", type=int, help="most occurrences to deliver (default 1000, at most 100000)"
+    )
+    _with_namespace(p)
+    p.set_defaults(handler=commands.run_backfill)
     p = sub.add_parser("list", help="list schedules (paged)")
     p.add_argument("--limit", type=int, default=100)
     p.add_argument("--cursor", help="next_cursor of the previous page")

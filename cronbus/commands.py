@@ -1,4 +1,4 @@
-"""``cronbus apply | get | list | pause | resume | delete | trigger | executions``."""
+"""``cronbus apply | get | list | pause | resume | delete | trigger | backfill | executions``."""
 
 from __future__ import annotations
 
@@ -165,6 +165,13 @@ def run_by_id(args: argparse.Namespace) -> int:
     return asyncio.run(_send_all(args, args.command, [{"id": args.id}]))
 
 
+def run_backfill(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"id": args.id, "from": args.from_, "to": args.to}
+    if args.limit is not None:
+        body["limit"] = args.limit
+    return asyncio.run(_send_all(args, "backfill", [body]))
+
+
 def run_list(args: argparse.Namespace) -> int:
     labels = dict(_label(item) for item in args.label or [])
     body: dict[str, Any] = {"limit": args.limit, "labels": labels}
@@ -206,7 +213,7 @@ def run_executions(args: argparse.Namespace) -> int:
     print(f"{'FIRE TIME':24} {'STATUS':10} {'TRY':>3} {'HTTP':>4} {'LATE MS':>8}  ERROR")
     for row in rows:
         fire = timefmt.format_ms(timefmt.datetime_to_ms(row["nominal_at"]))
-        kind = "*" if row["is_trigger"] else " "
+        kind = "*" if row["is_trigger"] else ("b" if row["is_backfill"] else " ")
         print(
             f"{fire:23}{kind} {row['status']:10} {row['attempts']:>3} "
             f"{row['http_status'] or '':>4} {row['lateness_ms']:>8}  {row['error'] or ''}"

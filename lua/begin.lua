@@ -14,13 +14,8 @@
   clock, which misfire decisions use (never the executor host's clock).
 ]]
 local lease, occ = KEYS[1], KEYS[2]
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--!include lib/clock.lua
+local now = clock_ms(ARGV[1])
 
 local results = {now}
 for i = 2, #ARGV, 3 do
@@ -31,6 +26,10 @@ for i = 2, #ARGV, 3 do
     redis.call('ZADD', lease, 'GT', now + hold, member)
     results[#results + 1] = 1
   else
+    -- A stale token leaves a revoked occurrence's marker (upsert.lua) alone: this copy will
+    -- not deliver, but another copy of the same message (a broker redelivery) may still be
+    -- delivering it; only an attempt's end (complete, retry, defer, release) or its lease
+    -- deadline frees the new rotation.
     results[#results + 1] = 0
   end
 end

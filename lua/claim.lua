@@ -13,28 +13,38 @@
   KEYS[2] lease  ZSET  member -> lease deadline (ms)
   KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires[|flags]"
                         (absent: nominal = fire, 1, -, 0)
+                        member .. '!' -> "token|deadline": an occurrence of an earlier rotation
+                        revoked while in flight (upsert.lua). Until it ends (or its lease
+                        deadline passes) the member waits, pushed back PUSH_BACK_MS at a time and
+                        flagged a catch-up (the wait is not lateness): one schedule never has
+                        two occurrences in flight, not even across a reset
   KEYS[4] sched  HASH  ns/id  -> compact schedule
   KEYS[5] seq    STRING fencing token counter
+  KEYS[6] bf     HASH  ns/id  -> "generation|to_ms|remaining|start|paused" (backfill.lua)
   ARGV[1] limit     (count) most occurrences to claim
   ARGV[2] lease_ms  (ms) how long the claim holds before the sweeper may reclaim it
   ARGV[3] now_ms    (ms, optional) overrides the server clock; tests only
 
-  Returns {now_ms, next_due_ms (-1: none left), orphans, corrupt, claimed...} where claimed is
-  7 values per occurrence: member, fire_ms, nominal_ms, attempt, token, tail, schedule
-  (tail: "fires" or "fires|flags"). An orphan is a due member whose schedule is gone (deleted
-  meanwhile): it is dropped.
+  Returns {now_ms, next_due_ms (-1: none left), orphans, corrupt, waiting, claimed...} where
+  claimed is 7 values per occurrence: member, fire_ms, nominal_ms, attempt, token, tail,
+  schedule (tail: "fires" or "fires|flags"; for a backfill member `ns/id#b` the "fires" part is
+  the backfill's generation). An orphan is a due member whose schedule is gone (deleted
+  meanwhile), or a backfill member whose backfill is gone (replaced, deleted, done): it is
+  dropped.
+
+  One occurrence of a schedule in flight at a time, backfill included: `ns/id` is not leased
+  while `ns/id#b` is (in `lease`, or claimed earlier in this call), nor the other way round.
+  Such a member is put back PUSH_BACK_MS later, keeping its nominal time (a regular one
+  flagged catch-up: the wait does not make it missed), and counted in `waiting`. Schedules without a backfill cost one EXISTS per call (no backfill in the shard)
+  or one HEXISTS per claimed member.
 ]]
-local due, lease, occ, sched, seq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local due, lease, occ, sched, seq, bf = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local PUSH_BACK_MS = 250
 local limit = tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
 
-local now
-if ARGV[3] and ARGV[3] ~= '' then
-  now = tonumber(ARGV[3])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--!include lib/clock.lua
+local now = clock_ms(ARGV[3])
 
 --[[ Fair share between namespaces. When more is due than one claim takes, the due entries
   are scanned for runs of one namespace at one fire time (a herd is one run: entries at the same
@@ -153,11 +163,74 @@ end
 
 local items = due_items()
 
+-- The deadline of a revoked occurrence still in flight that `member` must wait for, if any;
+-- a marker whose deadline has passed is dropped (its lease would have been reclaimed).
+local function revoked_until(member, expired)
+  local marker = redis.call('HGET', occ, member .. '!')
+  if not marker then
+    return nil
+  end
+  local deadline = tonumber(string.match(marker, '|(%d+)$'))
+  if deadline and deadline > now then
+    return deadline
+  end
+  expired[#expired + 1] = member .. '!'
+  return nil
+end
+
+local backfills = redis.call('EXISTS', bf) == 1
+
+local function parse_backfill(held)
+  return string.match(held, '^(%d+)|(%d+)|(%d+)|(%d*)|(%d*)$')
+end
+
+--[[ A backfill member: nil when its backfill is gone (an orphan), 'parked' while the schedule
+  is paused, else the state to claim it with. A member still holding an older generation (its
+  backfill was replaced while it was in flight, and it came back: retried, reclaimed) gives its
+  place to the new backfill's first occurrence. ]]
+local function backfill_state(base, nominal, attempt, tail, swaps)
+  local held = backfills and redis.call('HGET', bf, base)
+  if not held then
+    return nil
+  end
+  local generation, to_ms, remaining, start, paused = parse_backfill(held)
+  if not generation then
+    return nil
+  end
+  if paused == '1' then
+    return 'parked'
+  end
+  if string.match(tail, '^(%d+)') ~= generation then
+    if start == '' then
+      return nil
+    end
+    swaps[base] = generation .. '|' .. to_ms .. '|' .. remaining .. '||' .. paused
+    return {start, '1', generation}
+  end
+  return {nominal, attempt, tail}
+end
+
+-- The member whose lease keeps this one waiting (nil: none can).
+local function sibling_of(member, base, is_backfill)
+  if not backfills then
+    return nil
+  end
+  if is_backfill then
+    return base
+  end
+  if member == base and redis.call('HEXISTS', bf, base) == 1 then
+    return base .. '#b'
+  end
+  return nil
+end
+
 -- Read and check everything first.
-local valid, orphans, corrupt = {}, {}, {}
+local valid, orphans, corrupt, parked, waiting, swaps, taken, expired =
+  {}, {}, {}, {}, {}, {}, {}, {}
 for i = 1, #items, 2 do
   local member, fire = items[i], items[i + 1]
-  local plan = redis.call('HGET', sched, string.match(member, '^[^#]*'))
+  local base = string.match(member, '^[^#]*')
+  local plan = redis.call('HGET', sched, base)
   if not plan then
     orphans[#orphans + 1] = member
   else
@@ -168,10 +241,34 @@ for i = 1, #items, 2 do
       nominal, attempt, tail = string.match(current, '^(%d+)|(%d+)|%d*|(%d+[|%a]*)$')
       ok = nominal ~= nil
     end
-    if ok then
-      valid[#valid + 1] = {member, fire, nominal, attempt, tail, plan}
-    else
+    local is_backfill = string.sub(member, -2) == '#b'
+    if ok and is_backfill then
+      local state = backfill_state(base, nominal, attempt, tail, swaps)
+      if state == nil then
+        orphans[#orphans + 1] = member
+        ok = false
+      elseif state == 'parked' then
+        parked[#parked + 1] = member
+        ok = false
+      else
+        nominal, attempt, tail = state[1], state[2], state[3]
+      end
+    elseif not ok then
       corrupt[#corrupt + 1] = member
+    end
+    if ok then
+      local sibling = backfills and sibling_of(member, base, is_backfill)
+      -- A backfill occurrence deleted in flight (remove.lua) holds the schedule the same way.
+      local revoked = (member == base or is_backfill)
+        and (revoked_until(base, expired) or revoked_until(base .. '#b', expired))
+      if revoked or (sibling and (taken[sibling] or redis.call('ZSCORE', lease, sibling))) then
+        waiting[#waiting + 1] = {member, nominal, attempt, tail}
+      else
+        if backfills then
+          taken[member] = true
+        end
+        valid[#valid + 1] = {member, fire, nominal, attempt, tail, plan}
+      end
     end
   end
 end
@@ -184,7 +281,29 @@ end
 for _, member in ipairs(corrupt) do
   redis.call('ZADD', due, now + 60000, member)
 end
-local out = {now, -1, #orphans, #corrupt}
+for _, field in ipairs(expired) do
+  redis.call('HDEL', occ, field)
+end
+for _, member in ipairs(parked) do
+  -- Out of due, its state kept: the resume puts it back (upsert.lua).
+  redis.call('ZREM', due, member)
+end
+for base, value in pairs(swaps) do
+  redis.call('HSET', bf, base, value)
+end
+for _, item in ipairs(waiting) do
+  -- The state is written out: without one the nominal time would be the (moved) due score,
+  -- and a backfill member may just have taken its new generation's first occurrence. A
+  -- regular occurrence that waits is flagged catch-up ('c'): it goes when its turn comes,
+  -- not judged late (and perhaps skipped) for the wait.
+  local member, nominal, attempt, tail = item[1], item[2], item[3], item[4]
+  if string.sub(member, -2) ~= '#b' and not string.find(tail, 'c', 1, true) then
+    tail = string.find(tail, '|', 1, true) and (tail .. 'c') or (tail .. '|c')
+  end
+  redis.call('HSET', occ, member, nominal .. '|' .. attempt .. '||' .. tail)
+  redis.call('ZADD', due, now + PUSH_BACK_MS, member)
+end
+local out = {now, -1, #orphans, #corrupt, #waiting}
 if #valid > 0 then
   local floor = now * 1000
   local last = redis.call('INCRBY', seq, #valid)

@@ -14,6 +14,8 @@
 ]]
 local due, lease, occ = KEYS[1], KEYS[2], KEYS[3]
 
+--!include lib/revoked.lua
+
 local results = {}
 for i = 1, #ARGV, 3 do
   local member, token, at = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
@@ -33,6 +35,7 @@ for i = 1, #ARGV, 3 do
     redis.call('ZADD', due, at, member)
     results[#results + 1] = 1
   else
+    free_revoked(occ, member, token)
     results[#results + 1] = 0
   end
 end

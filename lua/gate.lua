@@ -21,13 +21,8 @@
     flags bit 1: this delivery is the breaker's probe; bit 2: the breaker counts failures
     (only then does a success need reporting)
 ]]
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--!include lib/clock.lua
+local now = clock_ms(ARGV[1])
 local threshold = tonumber(ARGV[2])
 local max_reserve = tonumber(ARGV[3])
 

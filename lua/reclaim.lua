@@ -14,13 +14,8 @@
 ]]
 local due, lease, occ, sched = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local limit = tonumber(ARGV[1])
-local now
-if ARGV[2] and ARGV[2] ~= '' then
-  now = tonumber(ARGV[2])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--!include lib/clock.lua
+local now = clock_ms(ARGV[2])
 
 local expired = redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, limit)
 local out = {0, 0}

@@ -15,13 +15,8 @@
 
   Returns one code per attempt: 0 no change, 1 the breaker closed, 2 the breaker opened.
 ]]
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--!include lib/clock.lua
+local now = clock_ms(ARGV[1])
 local threshold, cooldown, idle = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 
 local results = {}

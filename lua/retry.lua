@@ -11,13 +11,10 @@
   Returns one code per triple: 1 rescheduled, 0 stale (token no longer current).
 ]]
 local due, lease, occ = KEYS[1], KEYS[2], KEYS[3]
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--!include lib/clock.lua
+local now = clock_ms(ARGV[1])
+
+--!include lib/revoked.lua
 
 local results = {}
 for i = 2, #ARGV, 3 do
@@ -35,6 +32,7 @@ for i = 2, #ARGV, 3 do
     redis.call('ZADD', due, now + delay, member)
     results[#results + 1] = 1
   else
+    free_revoked(occ, member, token)
     results[#results + 1] = 0
   end
 end

@@ -13,8 +13,12 @@
   KEYS[1] due    ZSET  member -> fire time (ms)
   KEYS[2] lease  ZSET  member -> lease deadline (ms)
   KEYS[3] occ    HASH  member -> "nominal|attempt|token|fires[|flags]"
+                        member .. '!' -> "token|lease deadline" of an occurrence revoked while
+                        in flight: its delivery may still be under way, so the new rotation's
+                        first occurrence waits for it (claim.lua), never overlapping it
   KEYS[4] sched  HASH  ns/id  -> compact schedule (starts with {"v":<version>)
   KEYS[5] gone   HASH  ns/id  -> "version|ms|kind" tombstone (kind f: finished, d: deleted)
+  KEYS[6] bf     HASH  ns/id  -> "generation|to_ms|remaining|start|paused" (backfill.lua)
   ARGV sextuples: member, version, schedule, mode,
                   next_fire_ms ('' : none), next_occ ('' : default state)
     mode 'keep'   : store the schedule; keep its rotation if it has one (due or in flight),
@@ -24,18 +28,51 @@
     mode 'resume' : the rotation goes on after a pause: as 'reset', unless it finished
     mode 'park'   : store the schedule; revoke and take it out of rotation (paused)
 
+  A schedule's backfill (member `ns/id#b`) follows its pause: 'park' takes it out of `due`
+  (one in flight may finish; its next occurrence then waits), any other write resumes it where
+  it stands. Otherwise a write leaves it alone, 'reset' too: its next occurrences follow the
+  schedule as it is then.
+
   Returns one code per sextuple: 1 written, 0 already applied (the same version is stored),
   2 stored but not started (the rotation had finished), -1 stale (a newer version is stored,
   or a tombstone at least as new).
 ]]
-local due, lease, occ, sched, gone = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local due, lease, occ, sched, gone, bf = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+
+local function follow_pause(member, mode)
+  local held = redis.call('HGET', bf, member)
+  if not held then
+    return
+  end
+  local head, start, paused = string.match(held, '^(%d+|%d+|%d+)|(%d*)|(%d*)$')
+  if not head then
+    return
+  end
+  local backfill = member .. '#b'
+  if mode == 'park' then
+    redis.call('HSET', bf, member, head .. '|' .. start .. '|1')
+    redis.call('ZREM', due, backfill)
+  elseif paused == '1' then
+    redis.call('HSET', bf, member, head .. '|' .. start .. '|')
+    if not redis.call('ZSCORE', lease, backfill) then
+      local current = redis.call('HGET', occ, backfill)
+      local at = start ~= '' and start or (current and string.match(current, '^(%d+)'))
+      if at then
+        redis.call('ZADD', due, at, backfill)
+      end
+    end
+  end
+end
 
 local function version_in(key, member, pattern)
   local value = redis.call('HGET', key, member)
   return value and tonumber(string.match(value, pattern))
 end
 
+--!include lib/revoked.lua
+
 local function revoke(member)
+  keep_in_flight(lease, occ, member)
   redis.call('ZREM', due, member)
   redis.call('ZREM', lease, member)
   redis.call('HDEL', occ, member)
@@ -84,6 +121,7 @@ for i = 1, #ARGV, 6 do
     elseif not in_rotation(member) then
       start(member, next_fire, next_occ)
     end
+    follow_pause(member, mode)
     results[#results + 1] = (stays_finished and mode ~= 'park') and 2 or 1
   end
 end

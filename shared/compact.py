@@ -7,6 +7,7 @@ the version with a pattern match instead of decoding JSON.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from shared import codec
@@ -163,14 +164,15 @@ def _decode_exclusions(data: dict[str, Any]) -> tuple[Exclusion, ...]:
 _VERSION_PREFIX = b'{"v":'
 
 
+_VERSION = re.compile(rb'\{"v":(\d+)')
+
+
 def version_of(raw: bytes) -> int:
     """The version of a stored value without decoding it (it always comes first)."""
-    if not raw.startswith(_VERSION_PREFIX):
+    found = _VERSION.match(raw)
+    if found is None:
         raise ValueError("not a compact schedule")
-    end = len(_VERSION_PREFIX)
-    while end < len(raw) and raw[end : end + 1].isdigit():
-        end += 1
-    return int(raw[len(_VERSION_PREFIX) : end])
+    return int(found.group(1))
 
 
 def with_version(raw: bytes, version: int) -> bytes:

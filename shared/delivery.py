@@ -45,8 +45,21 @@ class Occurrence:
         return self.trigger_ms is not None
 
     @property
+    def is_backfill(self) -> bool:
+        """An occurrence of the schedule's backfill (member ``ns/id#b``): the regular
+        occurrence at its nominal time again, one at a time, outside the rotation."""
+        return keys.is_backfill_member(self.member)
+
+    @property
+    def backfill_generation(self) -> int:
+        """Which backfill of the schedule this occurrence belongs to: a backfill member's
+        state carries the generation where a regular one counts its fires."""
+        return self.fires
+
+    @property
     def idempotency_key(self) -> str:
-        """A triggered run has its own key, apart from the regular occurrence at its time."""
+        """A triggered run has its own key, apart from the regular occurrence at its time; a
+        backfilled one has the regular occurrence's key (it is that occurrence)."""
         return schedule.occurrence_key(
             self.namespace, self.id, self.nominal_ms, trigger=self.is_trigger
         )

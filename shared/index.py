@@ -115,6 +115,9 @@ class ClaimResult:
     claimed: list[Claimed]
     #: Due entries whose stored state did not parse (left in place, a minute on).
     corrupt: int = 0
+    #: Due entries put back a moment because another occurrence of their schedule (regular
+    #: or backfill) is in flight.
+    waiting: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,39 @@ class Completion:
     next_occ: str = ""
     #: The schedule is over (max_fires, end_at or a once): drop its stored copy.
     finish: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BackfillStart:
+    """backfill.lua's input: the schedule ``member`` (``ns/id``) and its backfill's state."""
+
+    member: str
+    generation: int
+    to_ms: int
+    #: Occurrences left to deliver (0: none; a running backfill is dropped).
+    remaining: int
+    #: Nominal time of the first of them (None when ``remaining`` is 0). Whether the schedule
+    #: is paused, backfill.lua reads from the index itself.
+    first_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBackfill:
+    """A ``bf`` hash value: ``generation|to_ms|remaining|start|paused``."""
+
+    generation: int
+    to_ms: int
+    remaining: int
+    #: The first occurrence of a backfill waiting for an older one's in flight (None: started).
+    start_ms: int | None
+    paused: bool
+
+
+def parse_backfill(value: str) -> HeldBackfill:
+    generation, to_ms, remaining, start, paused = value.split("|")
+    return HeldBackfill(
+        int(generation), int(to_ms), int(remaining), int(start) if start else None, paused == "1"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +194,7 @@ def _claimed(shard: int, row: list[Any]) -> Claimed:
 
 def _parse_claim(shard: int, reply: list[Any]) -> ClaimResult:
     next_due = int(reply[1])
-    claimed = [_claimed(shard, reply[i : i + 7]) for i in range(4, len(reply), 7)]
+    claimed = [_claimed(shard, reply[i : i + 7]) for i in range(5, len(reply), 7)]
     return ClaimResult(
         shard,
         int(reply[0]),
@@ -166,6 +202,7 @@ def _parse_claim(shard: int, reply: list[Any]) -> ClaimResult:
         int(reply[2]),
         claimed,
         int(reply[3]),
+        int(reply[4]),
     )
 
 
@@ -188,6 +225,7 @@ class Index:
             "sched": self.keys.sched,
             "seq": self.keys.seq,
             "gone": self.keys.gone,
+            "bf": self.keys.backfill,
         }
         return [names[role](shard) for role in roles]
 
@@ -239,7 +277,7 @@ class Index:
         calls = [
             (
                 "claim",
-                self._keys(s, "due", "lease", "occ", "sched", "seq"),
+                self._keys(s, "due", "lease", "occ", "sched", "seq", "bf"),
                 [limit, lease_ms, _opt(now_ms)],
             )
             for s in order
@@ -276,7 +314,7 @@ class Index:
             for c in batch:
                 args += [c.member, c.token, _opt(c.next_fire_ms), c.next_occ, int(c.finish)]
             calls.append(
-                ("complete", self._keys(shard, "due", "lease", "occ", "sched", "gone"), args)
+                ("complete", self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf"), args)
             )
         replies = await self._pipeline(calls)
         return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
@@ -407,7 +445,7 @@ class Index:
             for u in batch:
                 args += [u.member, u.version, u.plan, u.mode, _opt(u.next_fire_ms), u.next_occ]
             calls.append(
-                ("upsert", self._keys(shard, "due", "lease", "occ", "sched", "gone"), args)
+                ("upsert", self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf"), args)
             )
         replies = await self._pipeline(calls)
         return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
@@ -420,7 +458,7 @@ class Index:
         calls = [
             (
                 "remove",
-                self._keys(s, "due", "lease", "occ", "sched", "gone"),
+                self._keys(s, "due", "lease", "occ", "sched", "gone", "bf"),
                 [_opt(now_ms), *[v for member, version in batch for v in (member, _opt(version))]],
             )
             for s, batch in items.items()
@@ -444,17 +482,66 @@ class Index:
     async def forget(self, shard: int, tombstones: Sequence[tuple[str, bytes]]) -> int:
         """Drop tombstones that still hold the value read (forget.lua); returns how many."""
         args = [v for member, value in tombstones for v in (member, value)]
-        return int(await lua.call(self.client, "forget", [self.keys.gone(shard)], args))
+        keys = [self.keys.gone(shard), self.keys.occ(shard)]
+        return int(await lua.call(self.client, "forget", keys, args))
 
     async def wipe(self) -> None:
         """Drop every shard's keys (an index found stale is rebuilt from scratch)."""
         for shard in range(self.shards):
-            await self.client.unlink(*self._keys(shard, "due", "lease", "occ", "sched", "gone"))
+            await self.client.unlink(
+                *self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf")
+            )
 
     async def knows(self, shard: int, member: str) -> bool:
         """Whether the member is due, in flight or has an occurrence state in the index."""
         due, lease, occ = await self.position(shard, member)
         return due is not None or lease is not None or occ is not None
+
+    async def start_backfill(self, shard: int, start: BackfillStart) -> bool:
+        """Start (or replace, or restore) a schedule's backfill (backfill.lua); False when a
+        generation at least as new is held already."""
+        args = [
+            start.member,
+            start.generation,
+            start.to_ms,
+            start.remaining,
+            _opt(start.first_ms),
+        ]
+        code = await lua.call(
+            self.client, "backfill", self._keys(shard, "due", "lease", "occ", "bf"), args
+        )
+        return bool(int(code))
+
+    async def backfill_remaining(self, shard: int, member: str) -> int | None:
+        """Occurrences the schedule's running backfill has left (None: it has none)."""
+        remaining, _ = await self.backfill_remaining_and_epoch(shard, member)
+        return remaining
+
+    async def backfill_remaining_and_epoch(
+        self, shard: int, member: str
+    ) -> tuple[int | None, bool]:
+        """``backfill_remaining`` and whether the index has its epoch (False: Redis lost its
+        data, or a rebuild has not finished), one round trip."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.backfill(shard), member)
+            pipe.exists(self.keys.epoch)
+            held, epoch = await pipe.execute()
+        if held is None:
+            return None, bool(epoch)
+        text = held.decode() if isinstance(held, bytes) else str(held)
+        return parse_backfill(text).remaining, bool(epoch)
+
+    async def backfill_generations(self, shard: int, members: Sequence[str]) -> list[int | None]:
+        """The generation of each schedule's running backfill (None: none), one round trip."""
+        if not members:
+            return []
+        values = await self.client.hmget(self.keys.backfill(shard), list(members))
+        return [
+            None
+            if v is None
+            else parse_backfill(v.decode() if isinstance(v, bytes) else v).generation
+            for v in values
+        ]
 
     async def add_trigger(self, shard: int, member: str, fire_ms: int) -> None:
         await self.client.zadd(self.keys.due(shard), {member: fire_ms}, nx=True)

@@ -21,11 +21,24 @@ def member(namespace: str, schedule_id: str) -> str:
     return f"{namespace}/{schedule_id}"
 
 
+#: What follows the separator in a schedule's backfill member: ``ns/id#b``.
+BACKFILL_MARK: Final = "b"
+
+
 def split_member(value: str) -> tuple[str, str, int | None]:
-    """``ns/id`` or ``ns/id#trigger_ms`` -> (namespace, id, trigger_ms or None)."""
+    """``ns/id``, ``ns/id#trigger_ms`` or ``ns/id#b`` -> (namespace, id, trigger_ms or None)."""
     base, _, trigger = value.partition(TRIGGER_SEPARATOR)
     namespace, _, schedule_id = base.partition("/")
-    return namespace, schedule_id, int(trigger) if trigger else None
+    return namespace, schedule_id, int(trigger) if trigger and trigger != BACKFILL_MARK else None
+
+
+def backfill_member(namespace: str, schedule_id: str) -> str:
+    """The one index member that carries a schedule's backfill, one occurrence at a time."""
+    return f"{member(namespace, schedule_id)}{TRIGGER_SEPARATOR}{BACKFILL_MARK}"
+
+
+def is_backfill_member(value: str) -> bool:
+    return value.endswith(TRIGGER_SEPARATOR + BACKFILL_MARK)
 
 
 def trigger_member(namespace: str, schedule_id: str, fire_ms: int) -> str:
@@ -77,6 +90,11 @@ class RedisKeys:
         finished (``f``) at that version, so no write of an older one (a rebuild, a repair)
         brings them back, and a finished one is not restarted by a continuing write."""
         return f"{self.prefix}:{{{shard}}}:gone"
+
+    def backfill(self, shard: int) -> str:
+        """HASH ``ns/id`` -> ``generation|to_ms|remaining|start|paused``: the schedule's running
+        backfill (see ``lua/backfill.lua``); its current occurrence is the member ``ns/id#b``."""
+        return f"{self.prefix}:{{{shard}}}:bf"
 
     def seq(self, shard: int) -> str:
         """STRING counter that mints fencing tokens."""

@@ -9,6 +9,7 @@ share a bucket, a hold or a breaker. The shared state lives in Redis (``gate.lua
 from __future__ import annotations
 
 import email.utils
+import functools
 import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -34,6 +35,7 @@ def rate_key(namespace: str, target: TargetPlan) -> str:
     return f"{namespace}|{key}"
 
 
+@functools.lru_cache(maxsize=65_536)  # pure, and asked once per delivery of the same URLs
 def origin(url: str) -> str:
     """``scheme://host:port`` of a URL, with the scheme's default port made explicit."""
     parts = urlsplit(url)

@@ -1,8 +1,10 @@
 """The Lua scripts: read once from ``lua/``, loaded into Redis, called by SHA.
 
-Each script is one file with a header naming its KEYS, ARGV and return codes. Calls go by
-EVALSHA; when Redis answers NOSCRIPT (it restarted or flushed its script cache) the script is
-loaded again and the call repeated.
+Each script is one file with a header naming its KEYS, ARGV and return codes. Code several
+scripts share lives in ``lua/lib/``; a script takes it in by a line ``--!include lib/NAME.lua``,
+which is replaced by that file's text as the script is read (Redis only ever sees, and the SHA
+is of, the expanded script). Calls go by EVALSHA; when Redis answers NOSCRIPT (it restarted or
+flushed its script cache) the script is loaded again and the call repeated.
 """
 
 from __future__ import annotations
@@ -57,12 +59,48 @@ def _key_count(source: str) -> int:
     return sum(1 for line in source.splitlines() if line.strip().startswith("KEYS["))
 
 
+INCLUDE = "--!include "
+
+
+def expand(name: str, source: str, root: Path) -> str:
+    """``source`` with each ``--!include lib/NAME.lua`` line replaced by that file's text.
+
+    Refused (ValueError naming the script and the include): an include outside ``lib/`` or
+    missing, one included twice, and a library that includes another (one level keeps what
+    a script runs readable in one place) or declares KEYS (the header's KEYS lines are counted
+    as the script's keys)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for line in source.splitlines(keepends=True):
+        if not line.startswith(INCLUDE):
+            out.append(line)
+            continue
+        target = line[len(INCLUDE) :].strip()
+        where = f"{name}.lua: --!include {target}"
+        if not (target.startswith("lib/") and target.endswith(".lua")) or ".." in target:
+            raise ValueError(f"{where}: an include names a file lib/NAME.lua")
+        if target in seen:
+            raise ValueError(f"{where}: included twice")
+        path = root / target
+        if not path.is_file():
+            raise ValueError(f"{where}: no such file in {root.name}/lib")
+        text = path.read_text()
+        if any(lib_line.startswith(INCLUDE) for lib_line in text.splitlines()):
+            raise ValueError(f"{where}: a library file may not include another")
+        if _key_count(text):
+            raise ValueError(f"{where}: a library file may not declare KEYS")
+        seen.add(target)
+        out.append(text if text.endswith("\n") else text + "\n")
+    return "".join(out)
+
+
 @functools.cache
 def scripts() -> dict[str, Script]:
     found = {}
-    for path in sorted(lua_dir().glob("*.lua")):
+    root = lua_dir()
+    for path in sorted(root.glob("*.lua")):
         name = path.stem
-        source = path.read_text()
+        source = expand(name, path.read_text(), root)
         sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
         found[name] = Script(name, source, sha, _key_count(source))
     return found

@@ -25,6 +25,11 @@ PUBLISH_FAILURES = Counter(
 ORPHANS = Counter(
     "cronbus_orphans_total", "Due entries dropped because their schedule no longer exists."
 )
+SIBLING_WAITS = Counter(
+    "cronbus_sibling_waits_total",
+    "Due entries put back a moment because another occurrence of their schedule (regular or "
+    "backfill) was in flight.",
+)
 BACKPRESSURE = Gauge(
     "cronbus_backpressure", "1 while claiming is paused because cronbus.deliveries is too full."
 )
@@ -65,6 +70,12 @@ WEBHOOK_REFUSED = Counter(
     "is not in CRONBUS_WEBHOOK_ALLOWED_HOSTS.",
 )
 RETRIES = Counter("cronbus_retries_total", "Occurrences put back for another attempt.")
+BACKFILL_DELIVERED = Counter(
+    "cronbus_backfill_delivered_total",
+    "Backfill delivery attempts by outcome (succeeded, failed, dead); also counted in "
+    "cronbus_delivered_total.",
+    ["outcome"],
+)
 DEAD = Counter("cronbus_dead_total", "Occurrences that failed every attempt.")
 STALE = Counter(
     "cronbus_stale_total",
@@ -170,7 +181,7 @@ INDEX_EPOCH_PRESENT = Gauge(
 )
 DRIFT_REPAIRED = Counter(
     "cronbus_drift_repaired_total",
-    "Index entries repaired from PostgreSQL, by kind (stale, missing, orphan, pending).",
+    "Index entries repaired from PostgreSQL, by kind (stale, missing, orphan, pending, backfill).",
     ["kind"],
 )
 PARTITIONS_DROPPED = Counter(
@@ -191,6 +202,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
         DELIVERY_MESSAGES,
         PUBLISH_FAILURES,
         ORPHANS,
+        SIBLING_WAITS,
         BACKPRESSURE,
         DELIVERIES_READY,
         DUE_BACKLOG,
@@ -204,6 +216,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
     ),
     "executor": (
         DELIVERED,
+        BACKFILL_DELIVERED,
         RETRIES,
         DEAD,
         STALE,

@@ -54,7 +54,20 @@ MAX_LABEL_VALUE = 256
 MAX_HEADERS = 64
 MAX_HEADER_VALUE = 4096
 MAX_EXCLUSIONS = 100
-VERBS = ("upsert", "delete", "pause", "resume", "trigger", "get", "list", "upsert_many")
+VERBS = (
+    "upsert",
+    "delete",
+    "pause",
+    "resume",
+    "trigger",
+    "get",
+    "list",
+    "upsert_many",
+    "backfill",
+)
+#: Occurrences a backfill delivers when its command does not say, and the most it may.
+BACKFILL_DEFAULT_LIMIT = 1000
+BACKFILL_MAX_LIMIT = 100_000
 #: Most schedules one upsert_many command carries.
 MAX_UPSERT_MANY = 1000
 #: The instants a schedule may name: the Unix epoch up to the end of year 9999 (UTC).
@@ -536,6 +549,26 @@ class IdCommand(Strict):
         return check_schedule_id(value)
 
 
+class BackfillCommand(Strict):
+    """Deliver again each nominal occurrence of a schedule in ``[from, to)``, oldest first, one
+    at a time, at most ``limit`` of them. (``from`` before ``to``, and ``to`` not in the future,
+    are checked by the intake: they need its clock.)"""
+
+    id: str
+    from_: Instant = Field(alias="from")
+    to: Instant
+    limit: int = Field(default=BACKFILL_DEFAULT_LIMIT, ge=1, le=BACKFILL_MAX_LIMIT)
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, populate_by_name=False, serialize_by_alias=True
+    )
+
+    @field_validator("id")
+    @classmethod
+    def _id_is_safe(cls, value: str) -> str:
+        return check_schedule_id(value)
+
+
 class ListCommand(Strict):
     limit: int = Field(default=100, ge=1, le=1000)
     #: The ``next_cursor`` of the previous page.
@@ -567,4 +600,5 @@ COMMAND_MODELS: dict[str, type[Strict]] = {
     "get": IdCommand,
     "list": ListCommand,
     "upsert_many": UpsertManyCommand,
+    "backfill": BackfillCommand,
 }

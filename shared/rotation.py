@@ -11,7 +11,7 @@ from typing import Literal
 
 from shared import compact, keys, schedule
 from shared.index import Upsert, UpsertMode, resting_occ_state
-from shared.plan import Plan, same_rotation
+from shared.plan import CronRule, IntervalRule, Plan, same_rotation
 
 State = Literal["active", "paused", "completed", "deleted"]
 
@@ -66,8 +66,22 @@ def _continued(
     if schedule.is_exhausted(plan, fires):
         return None, False
     if last_fire_ms is None:
-        return _fresh(plan, now_ms, member)
+        return choose(plan, _first_still_owed(plan, now_ms, member), now_ms, member)
     return choose(plan, schedule.following(plan, last_fire_ms, now_ms), now_ms, member)
+
+
+def _first_still_owed(plan: Plan, now_ms: int, member: str) -> int | None:
+    """Where a rotation that never fired picks up (a resume, a rebuild): the first time that
+    is due at or after now. For a grid rule that can be a nominal time already past, whose
+    jitter offset makes it due later: it is on time, and starting at the first nominal time
+    after now would drop it. (Times due before now came while the rotation was away: like a
+    fresh start, it does not go back for them.)"""
+    if isinstance(plan.rule, IntervalRule | CronRule):
+        earliest = schedule.first_nominal(plan, now_ms - plan.jitter_ms)
+        if earliest is None:
+            return None
+        return schedule.first_on_time(plan, member, earliest, now_ms)
+    return schedule.first_nominal(plan, now_ms)
 
 
 def fresh_start(plan: Plan, now_ms: int, member: str = "") -> int | None:

@@ -60,6 +60,8 @@ class ScheduleRow:
     next_fire_ms: int | None
     created_ms: int
     updated_ms: int
+    #: Occurrences its running backfill has left as PostgreSQL keeps them (read by get only).
+    backfill_remaining: int | None = None
 
     @classmethod
     def of(cls, record: asyncpg.Record) -> ScheduleRow:
@@ -77,6 +79,11 @@ class ScheduleRow:
             next_fire_ms=_ms(record["next_fire_at"]),
             created_ms=_ms(record["created_at"]) or 0,
             updated_ms=_ms(record["updated_at"]) or 0,
+            backfill_remaining=(
+                record["backfill_remaining"]
+                if "backfill_remaining" in record.keys()  # noqa: SIM118 - not a mapping
+                else None
+            ),
         )
 
 
@@ -185,6 +192,8 @@ class ExecutionRow:
     finished_ms: int
     #: Excluded times (``spec.exclude``) the rotation stepped over after this occurrence.
     excluded: int = 0
+    #: A backfilled delivery (``ns/id#b``): its own row beside the regular occurrence's.
+    is_backfill: bool = False
 
 
 @dataclass(slots=True)
@@ -243,6 +252,59 @@ def finished_runs(rows: Sequence[ExecutionRow]) -> list[PendingRun]:
         for r in rows
         if r.is_trigger and r.status in FINAL_STATUSES
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class Backfill:
+    """A schedule's running backfill as PostgreSQL keeps it."""
+
+    namespace: str
+    id: str
+    generation: int
+    from_ms: int
+    to_ms: int
+    limit: int
+    #: The nominal time of the occurrence due or in flight.
+    next_ms: int
+    #: Occurrences left to deliver, that one included.
+    remaining: int
+
+
+@dataclass(frozen=True, slots=True)
+class LiveBackfill:
+    """What the index needs of a kept backfill (the rebuild, drift repair)."""
+
+    namespace: str
+    id: str
+    generation: int
+    to_ms: int
+    next_ms: int
+    remaining: int
+    paused: bool
+
+    @classmethod
+    def of(cls, record: asyncpg.Record) -> LiveBackfill:
+        return cls(
+            record["namespace"],
+            record["id"],
+            record["generation"],
+            record["to_ms"],
+            record["next_ms"],
+            record["remaining"],
+            record["state"] == "paused",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BackfillProgress:
+    """A backfill occurrence completed: its backfill goes on at ``next_ms`` with
+    ``remaining`` left, or ends (``remaining`` 0)."""
+
+    namespace: str
+    id: str
+    generation: int
+    next_ms: int | None
+    remaining: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,6 +590,85 @@ class Store:
         records = await self.pool.fetch(QUERIES["old_pending_runs"], before_ms, limit)
         return [PendingRunRow.of(record) for record in records]
 
+    # --- backfills (durable until they complete) -----------------------------------------------
+
+    async def next_backfill_generation(
+        self, conn: Connection, namespace: str, schedule_id: str, now_ms: int
+    ) -> int:
+        """Newer than the schedule's running backfill's (call under the schedule's row lock)."""
+        return int(
+            await conn.fetchval(QUERIES["next_backfill_generation"], namespace, schedule_id, now_ms)
+        )
+
+    async def put_backfill(self, conn: Connection, backfill: Backfill) -> None:
+        """Start a backfill, replacing the schedule's; one with nothing left is dropped."""
+        if backfill.remaining <= 0:
+            await self.drop_backfill(conn, backfill.namespace, backfill.id)
+            return
+        await conn.execute(
+            QUERIES["put_backfill"],
+            backfill.namespace,
+            backfill.id,
+            backfill.generation,
+            backfill.from_ms,
+            backfill.to_ms,
+            backfill.limit,
+            backfill.next_ms,
+            backfill.remaining,
+        )
+
+    async def drop_backfill(self, conn: Connection, namespace: str, schedule_id: str) -> None:
+        await conn.execute(QUERIES["drop_backfill"], namespace, schedule_id)
+
+    async def write_backfill_progress(self, items: Sequence[BackfillProgress]) -> None:
+        """One statement for the backfills that go on, one for those that ended (the furthest
+        completion of each wins)."""
+        latest: dict[tuple[str, str, int], BackfillProgress] = {}
+        for item in items:
+            key = (item.namespace, item.id, item.generation)
+            if key not in latest or item.remaining < latest[key].remaining:
+                latest[key] = item
+        going = [p for p in latest.values() if p.remaining > 0 and p.next_ms is not None]
+        ended = [p for p in latest.values() if p.remaining <= 0 or p.next_ms is None]
+        if going:
+            await self.pool.execute(
+                QUERIES["advance_backfills"],
+                [p.namespace for p in going],
+                [p.id for p in going],
+                [p.generation for p in going],
+                [p.next_ms for p in going],
+                [p.remaining for p in going],
+            )
+        if ended:
+            await self.pool.execute(
+                QUERIES["end_backfills"],
+                [p.namespace for p in ended],
+                [p.id for p in ended],
+                [p.generation for p in ended],
+            )
+
+    async def live_backfills(self, batch: int) -> AsyncIterator[list[LiveBackfill]]:
+        """Every backfill of a schedule in rotation or paused, ``batch`` rows at a time."""
+        async with self.pool.acquire() as conn, conn.transaction(readonly=True):
+            chunk: list[LiveBackfill] = []
+            async for record in conn.cursor(QUERIES["live_backfills"], prefetch=batch):
+                chunk.append(LiveBackfill.of(record))
+                if len(chunk) >= batch:
+                    yield chunk
+                    chunk = []
+            if chunk:
+                yield chunk
+
+    async def kept_backfill(self, namespace: str, schedule_id: str) -> LiveBackfill | None:
+        """The schedule's running backfill (None: none, or the schedule is not live)."""
+        record = await self.pool.fetchrow(QUERIES["kept_backfill"], namespace, schedule_id)
+        return None if record is None else LiveBackfill.of(record)
+
+    async def old_backfills(self, before_ms: int, limit: int) -> list[LiveBackfill]:
+        """Backfills started before ``before_ms``, oldest first, at most ``limit``."""
+        records = await self.pool.fetch(QUERIES["old_backfills"], before_ms, limit)
+        return [LiveBackfill.of(record) for record in records]
+
     # --- the firing path (batched) ------------------------------------------------------------
 
     async def write_executions(self, rows: Sequence[ExecutionRow]) -> None:
@@ -538,7 +679,7 @@ class Store:
         """
         batch = _latest(
             rows,
-            lambda r: (r.namespace, r.id, r.nominal_ms, r.is_trigger),
+            lambda r: (r.namespace, r.id, r.nominal_ms, r.is_trigger, r.is_backfill),
             lambda r: r.attempts,
         )
         done = finished_runs(batch)
@@ -569,6 +710,7 @@ class Store:
             [r.idempotency_key for r in batch],
             [r.started_ms for r in batch],
             [r.finished_ms for r in batch],
+            [r.is_backfill for r in batch],
         )
 
     async def write_checkpoints(self, rows: Sequence[Checkpoint]) -> None:
@@ -584,24 +726,18 @@ class Store:
             [c.finished for c in batch],
             [c.version for c in batch],
         )
+        finished = [c for c in batch if c.finished]
+        if finished:
+            # A schedule whose rotation is over takes its backfill with it (complete.lua).
+            await self.pool.execute(
+                QUERIES["end_backfills_of_schedules"],
+                [c.namespace for c in finished],
+                [c.id for c in finished],
+            )
 
     async def write_stats(self, deltas: Sequence[Any]) -> None:
         """Per-schedule stats deltas (``shared.stats.Delta``), one statement for the batch."""
-        await self.pool.execute(
-            QUERIES["write_stats"],
-            [d.namespace for d in deltas],
-            [d.id for d in deltas],
-            [d.fires for d in deltas],
-            [d.succeeded for d in deltas],
-            [d.failed for d in deltas],
-            [d.dead for d in deltas],
-            [d.skipped for d in deltas],
-            [d.excluded for d in deltas],
-            [d.trailing_dead for d in deltas],
-            [d.last_status for d in deltas],
-            [d.last_error for d in deltas],
-            [d.last_ms for d in deltas],
-        )
+        await self.pool.execute(QUERIES["write_stats"], *stats_arguments(deltas))
 
     async def schedule_stats(self, namespace: str, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """id -> its ``schedule_stats`` row, for the given schedules of a namespace."""
@@ -640,6 +776,12 @@ class Store:
         async for chunk in self._stream(QUERIES["live_schedules"], batch):
             yield chunk
 
+    async def live_schedules_after(self, after: tuple[str, str], limit: int) -> list[LiveSchedule]:
+        """At most ``limit`` active or paused schedules whose key comes after ``after``
+        (``("", "")``: from the first), in key order."""
+        records = await self.pool.fetch(QUERIES["live_schedules_after"], *after, limit)
+        return [LiveSchedule.of(record) for record in records]
+
     async def changed_schedules(
         self, since_ms: int, batch: int
     ) -> AsyncIterator[list[LiveSchedule]]:
@@ -677,3 +819,21 @@ class Store:
             QUERIES["schedule_versions"], [ns for ns, _ in members], [i for _, i in members]
         )
         return [LiveSchedule.of(record) for record in records]
+
+
+def stats_arguments(deltas: Sequence[Any]) -> list[list[Any]]:
+    """write_stats's parameters: one array per column, for a batch of ``shared.stats.Delta``."""
+    return [
+        [d.namespace for d in deltas],
+        [d.id for d in deltas],
+        [d.fires for d in deltas],
+        [d.succeeded for d in deltas],
+        [d.failed for d in deltas],
+        [d.dead for d in deltas],
+        [d.skipped for d in deltas],
+        [d.excluded for d in deltas],
+        [d.trailing_dead for d in deltas],
+        [d.last_status for d in deltas],
+        [d.last_error for d in deltas],
+        [d.last_ms for d in deltas],
+    ]

@@ -15,12 +15,19 @@ import asyncpg  # noqa: E402
 import pytest  # noqa: E402
 import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 from shared import db, keys  # noqa: E402
 from shared.index import Index  # noqa: E402
 from tests.support import services  # noqa: E402
 
 SHARDS = 4
+
+# No time limit per hypothesis example (its default is 200 ms): two pytest workers share two
+# cores with the services and the rabbitmqctl calls, and an example that waited for a core is
+# then reported as a flaky test. Where time matters, the tests bound it themselves.
+settings.register_profile("cronbus", deadline=None)
+settings.load_profile("cronbus")
 
 
 @pytest.fixture(scope="session")
@@ -90,9 +97,16 @@ async def _drop_database(maintenance_url: str, name: str) -> None:
         await conn.close()
 
 
+@pytest.fixture(scope="session")
+def vhosts(endpoints: services.Endpoints) -> Iterator[services.VhostPool]:
+    pool = services.VhostPool(endpoints.rabbitmqctl)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-def amqp_url(endpoints: services.Endpoints) -> Iterator[str]:
-    vhost = services.unique("cronbus-t-")
-    services.add_vhost(endpoints.rabbitmqctl, vhost)
+def amqp_url(endpoints: services.Endpoints, vhosts: services.VhostPool) -> Iterator[str]:
+    """A new vhost of this test's own (made ahead, deleted afterwards: see VhostPool)."""
+    vhost = vhosts.take()
     yield services.with_vhost(endpoints.amqp_url, vhost)
-    services.delete_vhost(endpoints.rabbitmqctl, vhost)
+    vhosts.give_back(vhost)

@@ -52,6 +52,8 @@ class Execution:
     finished_at: dt.datetime
     lateness_ms: int
     started_at: dt.datetime | None = None
+    #: A backfilled delivery (its own row beside the regular occurrence's).
+    is_backfill: bool = False
 
     @property
     def latency_ms(self) -> int | None:
@@ -165,6 +167,7 @@ def _execution(namespace: str, schedule_id: str, record: asyncpg.Record) -> Exec
         id=schedule_id,
         nominal_at=record["nominal_at"],
         is_trigger=record["is_trigger"],
+        is_backfill=record["is_backfill"],
         attempts=record["attempts"],
         status=record["status"],
         http_status=record["http_status"],

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 CSRF_COOKIE = "cronbus_console_csrf"
 USER_HEADER = "X-Forwarded-User"
-#: The verbs the console can send, where the contract has them (backfill comes later).
+#: The verbs the console can send, where the contract has them.
 ACTION_VERBS = tuple(v for v in ("pause", "resume", "trigger", "backfill") if v in models.VERBS)
 HISTORY_ROWS = 50
 CHART_POINTS = 200

@@ -109,6 +109,8 @@ class Dispatcher:
         for result in results:
             if result.orphans:
                 metrics.ORPHANS.inc(result.orphans)
+            if result.waiting:
+                metrics.SIBLING_WAITS.inc(result.waiting)
         if claimed:
             metrics.CLAIMED.inc(len(claimed))
             self.publishing = len(claimed)

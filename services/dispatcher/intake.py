@@ -26,6 +26,7 @@ from services.dispatcher import batch
 from services.dispatcher.views import view
 from shared import (
     amqp,
+    backfill,
     codec,
     compact,
     keys,
@@ -43,9 +44,16 @@ from shared import (
 from shared.batcher import GroupCommit
 from shared.config import DispatcherSettings
 from shared.errors import ValidationFailed
-from shared.index import Index, Upsert
+from shared.index import BackfillStart, Index, Upsert
 from shared.plan import Plan
-from shared.store import AppliedCommand, CommandAudit, PendingRun, ScheduleRow, Store
+from shared.store import (
+    AppliedCommand,
+    Backfill,
+    CommandAudit,
+    PendingRun,
+    ScheduleRow,
+    Store,
+)
 
 log = logging.getLogger(__name__)
 
@@ -494,6 +502,8 @@ class Intake:
         replayed = await self._replayed(namespace, verb, received)
         if replayed is not None:
             return replayed
+        if isinstance(command, models.BackfillCommand):
+            return await self.backfill(namespace, command, audit)
         if isinstance(command, models.UpsertManyCommand):
             return await self.upsert_many(received.items, received.item_ids, audit)
         if isinstance(command, models.ListCommand):
@@ -502,16 +512,30 @@ class Intake:
             return reply
         assert isinstance(command, models.IdCommand)
         if verb == "get":
-            row = await self.reader.submit((namespace, command.id, audit))
-            if row is None or row.state == "deleted":
-                raise not_found(namespace, command.id)
-            [shown] = await self._with_stats(namespace, [view(row, self.now_ms())])
-            key = limits.rate_key(namespace, compact.decode(row.compact).target)
-            fails, open_until, _, hold_until = await self.index.breaker_state(key)
-            now = self.now_ms()
-            shown["breaker"] = limits.breaker_view(key, fails, open_until, hold_until, now)
-            return {"ok": True, "schedule": shown}
+            return await self.get(namespace, command.id, audit)
         return await self.trigger(namespace, command.id, audit)
+
+    async def get(self, namespace: str, schedule_id: str, audit: CommandAudit) -> dict[str, Any]:
+        """One schedule as stored, with its stats, its rate key's breaker and its backfill."""
+        row = await self.reader.submit((namespace, schedule_id, audit))
+        if row is None or row.state == "deleted":
+            raise not_found(namespace, schedule_id)
+        [shown] = await self._with_stats(namespace, [view(row, self.now_ms())])
+        key = limits.rate_key(namespace, compact.decode(row.compact).target)
+        fails, open_until, _, hold_until = await self.index.breaker_state(key)
+        now = self.now_ms()
+        shown["breaker"] = limits.breaker_view(key, fails, open_until, hold_until, now)
+        remaining, indexed = await self.index.backfill_remaining_and_epoch(
+            self.index.shard_of(namespace, schedule_id), keys.member(namespace, schedule_id)
+        )
+        if remaining is None and not indexed:
+            # Redis lost its data and the rebuild has not put the backfill back yet: what
+            # PostgreSQL keeps is where it will resume. (With the index present, Redis is
+            # current: PostgreSQL learns of each completion a batch later.)
+            remaining = row.backfill_remaining
+        if remaining is not None:
+            shown["backfill"] = {"remaining": remaining}
+        return {"ok": True, "schedule": shown}
 
     async def upsert_many(
         self,
@@ -617,6 +641,10 @@ class Intake:
             for (namespace, schedule_id), row in effect.rows.items():
                 if row.state == "deleted":
                     dropped += await self.store.drop_pending_runs(conn, namespace, schedule_id)
+                if row.state in ("deleted", "completed"):
+                    # Its index entry is removed, backfill included (remove.lua): a row kept
+                    # here would never be restored nor removed by a completion.
+                    await self.store.drop_backfill(conn, namespace, schedule_id)
         await self._index_batch(effect, dropped)
         return effect
 
@@ -707,7 +735,7 @@ class Intake:
             old = await self._existing(conn, namespace, schedule_id)
             # Again under the row lock: a copy of this command redelivered to another
             # dispatcher may have committed since the check before the transaction.
-            earlier = await self._applied_under_lock(conn, namespace, audit)
+            earlier = await self._applied_under_lock(conn, namespace, audit, "trigger")
             if earlier is not None:
                 await self._ensure_trigger(namespace, earlier)
                 return {**earlier, "duplicate": True}
@@ -739,10 +767,10 @@ class Intake:
         return reply
 
     async def _applied_under_lock(
-        self, conn: Any, namespace: str, audit: CommandAudit
+        self, conn: Any, namespace: str, audit: CommandAudit, verb: str
     ) -> dict[str, Any] | None:
-        """The reply of the trigger already applied under ``audit``'s message_id, read in the
-        transaction; ``conflict`` when that message_id was used for another command."""
+        """The reply of the ``verb`` command already applied under ``audit``'s message_id, read
+        in the transaction; ``conflict`` when that message_id was used for another command."""
         message_id = audit.message_id
         if not message_id:
             return None
@@ -750,9 +778,59 @@ class Intake:
         applied = found.get((namespace, message_id))
         if applied is None:
             return None
-        if applied.verb != "trigger" or applied.body != audit.body:
+        if applied.verb != verb or applied.body != audit.body:
             raise batch.message_id_conflict(namespace, message_id, applied.verb)
         return applied.reply
+
+    async def backfill(
+        self, namespace: str, command: models.BackfillCommand, audit: CommandAudit
+    ) -> dict[str, Any]:
+        """Start a backfill (replacing the schedule's running one): durable in PostgreSQL
+        with the command's audit before the reply, then placed in the index."""
+        from_ms = timefmt.datetime_to_ms(command.from_)
+        to_ms = timefmt.datetime_to_ms(command.to)
+        now = self.now_ms()
+        check_backfill_range(from_ms, to_ms, now)
+        schedule_id = command.id
+        async with self.store.transaction() as conn:
+            old = await self._existing(conn, namespace, schedule_id)
+            earlier = await self._applied_under_lock(conn, namespace, audit, "backfill")
+            if earlier is not None:
+                return {**earlier, "duplicate": True}
+            plan = compact.decode(old.compact)
+            check_backfillable(schedule_id, old.state, plan)
+            # Bounded by the limit (100,000 steps at most); counted off the event loop.
+            extent = await asyncio.to_thread(backfill.extent, plan, from_ms, to_ms, command.limit)
+            generation = await self.store.next_backfill_generation(
+                conn, namespace, schedule_id, now
+            )
+            await self.store.put_backfill(
+                conn,
+                Backfill(
+                    namespace,
+                    schedule_id,
+                    generation,
+                    from_ms,
+                    to_ms,
+                    command.limit,
+                    extent.first_ms or 0,
+                    extent.occurrences,
+                ),
+            )
+            reply = {"ok": True, "backfill": {"occurrences": extent.occurrences}}
+            await self._record(conn, audit, old.version, reply)
+        shard = self.index.shard_of(namespace, schedule_id)
+        start = BackfillStart(
+            keys.member(namespace, schedule_id),
+            generation,
+            to_ms,
+            extent.occurrences,
+            extent.first_ms,
+        )
+        await self._write_index(lambda: self.index.start_backfill(shard, start))
+        if extent.first_ms is not None and old.state == "active":
+            await self.wake(shard, extent.first_ms)
+        return reply
 
     async def _pending_trigger(
         self, conn: Any, namespace: str, schedule_id: str, now_ms: int
@@ -820,7 +898,27 @@ class Intake:
         reply = applied.reply
         if verb == "trigger":
             await self._ensure_trigger(namespace, reply)
+        elif verb == "backfill" and isinstance(received.command, models.BackfillCommand):
+            await self._ensure_backfill(namespace, received.command.id)
         return {**reply, "duplicate": True}
+
+    async def _ensure_backfill(self, namespace: str, schedule_id: str) -> None:
+        """The schedule's kept backfill back into the index, unless the index holds it (or a
+        newer one) already: backfill.lua writes nothing for a generation it has. Drift repair
+        would put it back too, a few minutes on."""
+        kept = await self.store.kept_backfill(namespace, schedule_id)
+        if kept is None:
+            return
+        shard = self.index.shard_of(namespace, schedule_id)
+        start = BackfillStart(
+            keys.member(namespace, schedule_id),
+            kept.generation,
+            kept.to_ms,
+            kept.remaining,
+            kept.next_ms,
+        )
+        if await self.index.start_backfill(shard, start) and not kept.paused:
+            await self.wake(shard, kept.next_ms)
 
     async def _ensure_trigger(self, namespace: str, reply: dict[str, Any]) -> None:
         schedule_id = reply["schedule"]["id"]
@@ -867,6 +965,40 @@ class Intake:
             log.exception(
                 "index write refused; left to drift repair", extra={"action": "index_deferred"}
             )
+
+
+def _refusal(field: str, reason: str) -> ValidationFailed:
+    return ValidationFailed(
+        "invalid_command", f"{field}: {reason}", [{"field": field, "reason": reason}]
+    )
+
+
+def check_backfill_range(from_ms: int, to_ms: int, now_ms: int) -> None:
+    """``from`` before ``to``, and ``to`` not in the future."""
+    if to_ms <= from_ms:
+        raise _refusal("to", "must be after from")
+    if to_ms > now_ms:
+        raise _refusal(
+            "to",
+            "is in the future: a backfill replays the past; the schedule's rotation fires "
+            "the future",
+        )
+
+
+def check_backfillable(schedule_id: str, state: str, plan: Plan) -> None:
+    """A schedule with nominal times whose rotation is not over."""
+    if not backfill.has_nominal_times(plan):
+        raise _refusal(
+            "id",
+            f"schedule {schedule_id!r} has an after_completion spec: its times follow each "
+            "run's completion, so it has no nominal times to backfill",
+        )
+    if state == "completed":
+        raise _refusal(
+            "id",
+            f"schedule {schedule_id!r} has completed (its rotation is over): upsert it with a "
+            "new window to backfill it",
+        )
 
 
 def _current_of(row: ScheduleRow) -> rotation.Current:

@@ -12,7 +12,7 @@ import contextlib
 import logging
 
 from shared import metrics, stats, transient
-from shared.store import Checkpoint, ExecutionRow, Store
+from shared.store import BackfillProgress, Checkpoint, ExecutionRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,8 @@ class AuditWriter:
         self.max_rows = max_rows
         self.rows: list[ExecutionRow] = []
         self.checkpoints: list[Checkpoint] = []
+        #: Backfill completions, written after the rows (see ``Store.write_backfill_progress``).
+        self.backfills: list[BackfillProgress] = []
         self._room = asyncio.Event()
         self._room.set()
         self._wake = asyncio.Event()
@@ -37,8 +39,12 @@ class AuditWriter:
             self.checkpoints.append(checkpoint)
         self._update()
 
+    def add_backfill(self, progress: BackfillProgress) -> None:
+        self.backfills.append(progress)
+        self._update()
+
     def _update(self) -> None:
-        pending = len(self.rows) + len(self.checkpoints)
+        pending = len(self.rows) + len(self.checkpoints) + len(self.backfills)
         metrics.AUDIT_BUFFERED.set(pending)
         if pending >= self.max_rows:
             if self._room.is_set():
@@ -56,8 +62,9 @@ class AuditWriter:
 
     async def flush(self) -> bool:
         """Write what is buffered; False when PostgreSQL refused (the rows are kept)."""
-        while self.rows or self.checkpoints:
+        while self.rows or self.checkpoints or self.backfills:
             rows, checkpoints = self.rows[:MAX_BATCH], self.checkpoints[:MAX_BATCH]
+            backfills = self.backfills[:MAX_BATCH]
             try:
                 if rows:
                     await self.store.write_executions(rows)
@@ -69,6 +76,9 @@ class AuditWriter:
                 if checkpoints:
                     await self.store.write_checkpoints(checkpoints)
                     del self.checkpoints[: len(checkpoints)]
+                if backfills:
+                    await self.store.write_backfill_progress(backfills)
+                    del self.backfills[: len(backfills)]
             except transient.ERRORS as exc:
                 log.warning(
                     "audit write failed; rows kept",
@@ -99,7 +109,7 @@ class AuditWriter:
             if asyncio.get_running_loop().time() >= deadline:
                 break
             await asyncio.sleep(0.5)
-        left = len(self.rows) + len(self.checkpoints)
+        left = len(self.rows) + len(self.checkpoints) + len(self.backfills)
         if left:
             log.error(
                 "audit rows lost at shutdown: PostgreSQL unreachable",

@@ -46,6 +46,7 @@ class Events:
             "attempt": row.attempts,
             "idempotency_key": row.idempotency_key,
             "trigger": row.is_trigger,
+            "backfill": row.is_backfill,
             "http_status": row.http_status,
             "error": row.error,
             "at": timefmt.format_ms(row.finished_ms),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -35,6 +36,7 @@ from shared.delivery import Occurrence
 from shared.index import Completion, Index
 from shared.plan import WebhookPlan
 from shared.spans import Spans
+from shared.store import BackfillProgress
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +63,40 @@ def _in_order(items: Sequence[tuple[int, object]], codes: dict[int, list[int]]) 
     return ordered
 
 
+@functools.lru_cache(maxsize=4096)
+def _namespace_outcomes(labels: metrics.NamespaceLabels, namespace: str, event: str) -> Any:
+    """The counter's child of a namespace and outcome: labels() costs a lookup per call, and
+    a namespace keeps its label once given (``labels`` is in the key: it is replaced when an
+    executor starts)."""
+    return metrics.NAMESPACE_OUTCOMES.labels(labels(namespace), event)
+
+
+@functools.lru_cache(maxsize=64)
+def _delivered(kind: str, result: str) -> Any:
+    return metrics.DELIVERED.labels(kind, result)
+
+
+@functools.lru_cache(maxsize=8)
+def _delivery_duration(kind: str) -> Any:
+    return metrics.DELIVERY_DURATION.labels(kind)
+
+
 def _count_outcome(namespace: str, settlement: Settlement) -> None:
-    label = metrics.NAMESPACES(namespace)
-    metrics.NAMESPACE_OUTCOMES.labels(label, settlement.event).inc()
+    _namespace_outcomes(metrics.NAMESPACES, namespace, settlement.event).inc()
     if settlement.row.excluded:
-        metrics.NAMESPACE_OUTCOMES.labels(label, "excluded").inc(settlement.row.excluded)
+        _namespace_outcomes(metrics.NAMESPACES, namespace, "excluded").inc(settlement.row.excluded)
+
+
+def _backfill_progress(occ: Occurrence, completion: Completion, code: int) -> BackfillProgress:
+    """complete.lua answers a backfill member with 1 + the occurrences its backfill has left."""
+    left = code - 1
+    return BackfillProgress(
+        occ.namespace,
+        occ.id,
+        occ.backfill_generation,
+        completion.next_fire_ms if left > 0 else None,
+        left,
+    )
 
 
 def _text(value: object) -> str:
@@ -312,10 +343,13 @@ class Executor:
         key = occ.idempotency_key
         async with self.fair_slots.slot(occ.namespace):
             self._waiting.pop((occ.shard, occ.member), None)
+            # Read before the Redis clock is: `now + (finished - begun)` must never fall short
+            # of the real end of the attempt (a fixed delay counts from it), whatever the
+            # round trip of the begin call took (ledger: 51 ms under a broker restart).
+            begun = self.now_ms()
             now = await self.begin(occ)
             if now is None:
                 return
-            begun = self.now_ms()
             chosen = settle.missed_choice(occ, now)
             if chosen == occ.nominal_ms:
                 admission = await self.limits.admit(occ)
@@ -399,13 +433,15 @@ class Executor:
         finally:
             metrics.IN_FLIGHT.dec()
         finished = self.now_ms()
-        metrics.DELIVERY_DURATION.labels(kind).observe((finished - started) / 1000)
+        _delivery_duration(kind).observe((finished - started) / 1000)
         attempt_result = (
             "succeeded"
             if outcome.ok
             else ("failed" if occ.attempt < occ.plan.retry.max_attempts else "dead")
         )
-        metrics.DELIVERED.labels(kind, attempt_result).inc()
+        _delivered(kind, attempt_result).inc()
+        if occ.is_backfill:
+            metrics.BACKFILL_DELIVERED.labels(attempt_result).inc()
         return outcome, started, finished
 
     async def _settle(self, occ: Occurrence, settlement: Settlement) -> None:
@@ -433,6 +469,8 @@ class Executor:
             metrics.DEAD.inc()
         _count_outcome(occ.namespace, settlement)
         self.audit.add(settlement.row, settlement.checkpoint if code else None)
+        if code and occ.is_backfill and settlement.completion is not None:
+            self.audit.add_backfill(_backfill_progress(occ, settlement.completion, code))
         self._log(occ, settlement)
         await self.events.publish(settlement.event, settlement.row)
         if code:

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from shared import backoff, schedule
+from shared import backfill, backoff, schedule
 from shared.delivery import Occurrence
 from shared.index import Completion, resting_occ_state
 from shared.store import Checkpoint, ExecutionRow
@@ -94,6 +94,10 @@ def finish(
     and how many excluded times the rotation stepped over."""
     if occ.is_trigger:
         return Completion(occ.member, occ.token, None, ""), None, 0
+    if occ.is_backfill:
+        # complete.lua decides whether the backfill goes on (its `to`, its count).
+        following = backfill.next_after(occ.plan, occ.nominal_ms)
+        return Completion(occ.member, occ.token, following, ""), None, 0
     fires = occ.fires + 1
     following, catch_up, excluded = next_nominal_counted(occ, fires, finished_ms, now_ms)
     completion, checkpoint = _rotate(occ, following, fires, occ.nominal_ms, catch_up)
@@ -120,6 +124,7 @@ def row_of(
         idempotency_key=key,
         started_ms=started_ms,
         finished_ms=finished_ms,
+        is_backfill=occ.is_backfill,
     )
 
 
@@ -156,10 +161,10 @@ def missed_choice(occ: Occurrence, now_ms: int) -> int | None:
     """For a regular first attempt: the nominal time the misfire policy wants fired instead
     of ``occ`` (None: none at all), or ``occ.nominal_ms`` itself when it should fire.
 
-    ``now_ms`` is the Redis clock. A trigger, a retry and a catch-up the policy already chose
-    are delivered, never judged again.
+    ``now_ms`` is the Redis clock. A trigger, a backfilled occurrence (the past, asked for), a
+    retry and a catch-up the policy already chose are delivered, never judged again.
     """
-    if occ.is_trigger or occ.attempt > 1 or occ.catch_up:
+    if occ.is_trigger or occ.is_backfill or occ.attempt > 1 or occ.catch_up:
         return occ.nominal_ms
     return schedule.resolve_due(occ.plan, occ.nominal_ms, now_ms, occ.member)
 

@@ -42,6 +42,8 @@ def pinned_headers(occ: Occurrence, key: str, sampled: bool = False) -> dict[str
     }
     if occ.is_trigger:
         headers["X-Cronbus-Trigger"] = "manual"
+    if occ.is_backfill:
+        headers["X-Cronbus-Backfill"] = "true"
     headers["traceparent"] = tracing.traceparent(key, occ.attempt, sampled)
     return headers
 

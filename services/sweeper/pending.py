@@ -12,6 +12,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Sequence
 
+from services.sweeper import suspects
 from shared import keys, metrics
 from shared.index import Index, Upsert
 from shared.store import PendingRun, PendingRunRow, Store
@@ -125,10 +126,9 @@ class PendingRepair:
             return 0
         present = await _in_flight_or_due(self.index, [(s, m) for _, s, m in located])
         missing = [row for (row, _, _), known in zip(located, present, strict=True) if not known]
-        confirmed = [row for row in missing if identity(row.run) in self._suspects]
-        self._suspects = {identity(row.run) for row in missing} - {
-            identity(row.run) for row in confirmed
-        }
+        confirmed, self._suspects = suspects.confirm(
+            self._suspects, missing, lambda row: identity(row.run)
+        )
         if not confirmed:
             return 0
         added = await add_missing(self.index, confirmed)

@@ -19,7 +19,7 @@ from typing import Any
 
 from redis.asyncio.lock import Lock
 
-from services.sweeper import pending
+from services.sweeper import backfills, drift, pending
 from shared import compact, db, keys, metrics, rotation, transient
 from shared.config import SweeperSettings
 from shared.index import Index, Upsert
@@ -86,10 +86,16 @@ class Sweeper:
         self.rebuilding: asyncio.Task[None] | None = None
         self._last_drift_ms = 0
         self._drift_since_ms: int | None = None
-        self._last_full_drift: float | None = None
+        #: Where the rolling full comparison stands: the last row key compared, and the
+        #: shard and HSCAN cursor of the index entries.
+        self._rows_after: tuple[str, str] = ("", "")
+        self._entries_at: tuple[int, int] = (0, 0)
+        #: Least rows and entries one drift check compares (``drift.SLICE_MIN``).
+        self.slice_min = drift.SLICE_MIN
         self._last_retention = 0.0
         self._last_tombstones_ms = 0
         self.pending_repair = pending.PendingRepair(index, store)
+        self.backfill_repair = backfills.BackfillRepair(index, store)
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -231,6 +237,7 @@ class Sweeper:
                         extra={"action": "rebuild_progress", "schedules": written},
                     )
             await pending.restore_all(self.index, self.store, self.settings.rebuild_batch)
+            await backfills.restore_all(self.index, self.store, self.settings.rebuild_batch)
             generation = await self.store.index_generation() + 1
             await self.index.client.set(self.index.keys.epoch, generation)
             await self.store.advance_index_generation(generation)
@@ -281,10 +288,51 @@ class Sweeper:
         async for chunk in self.store.changed_schedules(since, self.settings.rebuild_batch):
             await self.reconcile(chunk)
         await self.pending_repair.check(now)
-        last_full = self._last_full_drift
-        if last_full is None or time.monotonic() - last_full >= self.settings.drift_full_interval_s:
-            self._last_full_drift = time.monotonic()
-            await self.full_drift_scan()
+        await self.backfill_repair.check(now)
+        await self.drift_slice()
+
+    async def drift_slice(self) -> int:
+        """The next slice of the full comparison, both ways: rows against the index, index
+        entries against PostgreSQL. The slices add up to a full pass every
+        ``drift_full_interval_s`` (see ``services.sweeper.drift``)."""
+        entries = await self._index_entries()
+        size = drift.slice_size(
+            entries,
+            self.settings.drift_check_interval_s,
+            self.settings.drift_full_interval_s,
+            least=self.slice_min,
+        )
+        rows = await self.store.live_schedules_after(self._rows_after, size)
+        repaired = 0
+        for start in range(0, len(rows), self.settings.rebuild_batch):
+            repaired += await self.reconcile(rows[start : start + self.settings.rebuild_batch])
+        # A short slice reached the end of the table: the next check starts over.
+        self._rows_after = (rows[-1].namespace, rows[-1].id) if len(rows) == size else ("", "")
+        return repaired + await self._orphans_slice(size)
+
+    async def _index_entries(self) -> int:
+        pipe = self.index.client.pipeline(transaction=False)
+        for shard in range(self.settings.shards):
+            pipe.hlen(self.index.keys.sched(shard))
+        return sum(int(count) for count in await pipe.execute())
+
+    async def _orphans_slice(self, budget: int) -> int:
+        """Index entries without a live row removed, ``budget`` entries (about) from where the
+        previous slice stopped; at most one pass over the shards per call."""
+        removed = seen = 0
+        shard, cursor = self._entries_at
+        while seen < budget:
+            cursor, batch = await self.index.client.hscan(
+                self.index.keys.sched(shard), cursor, count=SCAN_BATCH
+            )
+            removed += await self._remove_orphans_in(shard, batch)
+            seen += len(batch)
+            if cursor == 0:
+                shard = (shard + 1) % self.settings.shards
+                if shard == 0:
+                    break  # the pass over every shard ends here
+        self._entries_at = (shard, cursor)
+        return removed
 
     async def reconcile(self, rows: Sequence[LiveSchedule]) -> int:
         """Bring the index in line with these PostgreSQL rows; returns the entries repaired."""
@@ -349,13 +397,22 @@ class Sweeper:
         return written
 
     async def _stored_plans(self, members: Sequence[tuple[str, str]]) -> dict[str, bytes]:
-        """The compact schedules the index holds for these members (absent ones left out)."""
+        """The compact schedules the index holds for these members (absent ones left out).
+
+        One HMGET per shard: a reply per member costs the client far more than the read."""
+        by_shard: dict[int, list[str]] = defaultdict(list)
+        for ns, i in members:
+            by_shard[self.index.shard_of(ns, i)].append(keys.member(ns, i))
         pipe = self.index.client.pipeline(transaction=False)
-        names = [keys.member(ns, i) for ns, i in members]
-        for (ns, i), name in zip(members, names, strict=True):
-            pipe.hget(self.index.keys.sched(self.index.shard_of(ns, i)), name)
-        values = await pipe.execute()
-        return {name: value for name, value in zip(names, values, strict=True) if value is not None}
+        for shard, names in by_shard.items():
+            pipe.hmget(self.index.keys.sched(shard), names)
+        replies = await pipe.execute()
+        return {
+            name: value
+            for names, values in zip(by_shard.values(), replies, strict=True)
+            for name, value in zip(names, values, strict=True)
+            if value is not None
+        }
 
     async def full_drift_scan(self) -> int:
         """Every index entry checked against PostgreSQL, and every live row against the index."""
@@ -374,24 +431,27 @@ class Sweeper:
             cursor, batch = await self.index.client.hscan(
                 self.index.keys.sched(shard), cursor, count=SCAN_BATCH
             )
-            # The version seen goes with each removal: a schedule recreated (a newer version
-            # written) after PostgreSQL was read is left alone by remove.lua.
-            stored: dict[bytes, bytes] = dict(batch)  # type: ignore[arg-type]
-            seen = {m.decode(): compact.version_of(plan) for m, plan in stored.items()}
-            members = list(seen)
-            if members:
-                pairs = [keys.split_member(m)[:2] for m in members]
-                rows = await self.store.schedule_versions(pairs)
-                live = {keys.member(r.namespace, r.id) for r in rows if r.state != "deleted"}
-                orphans: list[tuple[str, int | None]] = [
-                    (m, seen[m]) for m in members if m not in live
-                ]
-                if orphans:
-                    await self.index.remove({shard: orphans})
-                    metrics.DRIFT_REPAIRED.labels("orphan").inc(len(orphans))
-                    removed += len(orphans)
+            removed += await self._remove_orphans_in(shard, batch)
             if cursor == 0:
                 return removed
+
+    async def _remove_orphans_in(self, shard: int, batch: object) -> int:
+        """Of one HSCAN batch of a shard, the entries without a live row, removed."""
+        # The version seen goes with each removal: a schedule recreated (a newer version
+        # written) after PostgreSQL was read is left alone by remove.lua.
+        stored: dict[bytes, bytes] = dict(batch)  # type: ignore[call-overload]
+        seen = {m.decode(): compact.version_of(plan) for m, plan in stored.items()}
+        members = list(seen)
+        if not members:
+            return 0
+        pairs = [keys.split_member(m)[:2] for m in members]
+        rows = await self.store.schedule_versions(pairs)
+        live = {keys.member(r.namespace, r.id) for r in rows if r.state != "deleted"}
+        orphans: list[tuple[str, int | None]] = [(m, seen[m]) for m in members if m not in live]
+        if orphans:
+            await self.index.remove({shard: orphans})
+            metrics.DRIFT_REPAIRED.labels("orphan").inc(len(orphans))
+        return len(orphans)
 
     # --- tombstones ---------------------------------------------------------------------------
 

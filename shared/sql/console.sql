@@ -58,8 +58,8 @@ WHERE namespace = $1 AND id = $2;
 
 -- console_executions --
 -- A schedule's executions before an instant, newest first.
-SELECT nominal_at, is_trigger, attempts, status, http_status, error, started_at, finished_at,
-       lateness_ms
+SELECT nominal_at, is_trigger, is_backfill, attempts, status, http_status, error, started_at,
+       finished_at, lateness_ms
 FROM executions
 WHERE namespace = $1 AND id = $2 AND nominal_at < $3
 ORDER BY nominal_at DESC
@@ -67,8 +67,8 @@ LIMIT $4;
 
 -- console_failures --
 -- Failed occurrences across namespaces finished before an instant, newest first.
-SELECT namespace, id, nominal_at, is_trigger, attempts, status, http_status, error,
-       finished_at, lateness_ms
+SELECT namespace, id, nominal_at, is_trigger, is_backfill, attempts, status, http_status,
+       error, finished_at, lateness_ms
 FROM executions
 WHERE status IN ('retrying', 'dead') AND finished_at < $1
 ORDER BY finished_at DESC

@@ -14,10 +14,13 @@ WITH audit AS (
                          $8::text[], $9::text[], $10::jsonb[], $11::text[], $12::jsonb[],
                          $13::bigint[], $14::jsonb[])
 )
-SELECT namespace, id, version, state, definition, compact, priority, labels, fires,
-       last_fire_at, next_fire_at, created_at, updated_at
-FROM schedules
-WHERE (namespace, id) IN (SELECT * FROM unnest($1::text[], $2::text[]));
+-- backfill_remaining: what PostgreSQL keeps of a running backfill (shown while Redis lost it).
+SELECT s.namespace, s.id, s.version, s.state, s.definition, s.compact, s.priority, s.labels,
+       s.fires, s.last_fire_at, s.next_fire_at, s.created_at, s.updated_at,
+       b.remaining AS backfill_remaining
+FROM schedules s
+LEFT JOIN backfills b ON b.namespace = s.namespace AND b.id = s.id
+WHERE (s.namespace, s.id) IN (SELECT * FROM unnest($1::text[], $2::text[]));
 
 -- lock_schedule --
 -- One schedule, locked until the command's transaction ends.
@@ -130,24 +133,27 @@ ORDER BY seq DESC
 LIMIT 1;
 
 -- execution_exists --
--- Whether an occurrence (regular, or a trigger) left an execution row.
+-- Whether an occurrence (regular, or a trigger) left an execution row (a backfilled delivery's
+-- row is not the occurrence's own).
 SELECT EXISTS (SELECT 1 FROM executions
                WHERE namespace = $1 AND id = $2 AND nominal_at = to_timestamp($3 / 1000.0)
-                 AND is_trigger = $4);
+                 AND is_trigger = $4 AND NOT is_backfill);
 
 -- write_executions --
--- A batch of execution rows; a later attempt of the same occurrence replaces an earlier one.
-INSERT INTO executions AS e (namespace, id, nominal_at, is_trigger, attempts, status,
-                             http_status, error, idempotency_key, started_at, finished_at,
-                             lateness_ms)
-SELECT r.namespace, r.id, to_timestamp(r.nominal_ms / 1000.0), r.is_trigger, r.attempts,
-       r.status, r.http_status, r.error, r.idempotency_key, to_timestamp(r.started_ms / 1000.0),
-       to_timestamp(r.finished_ms / 1000.0), r.started_ms - r.nominal_ms
+-- A batch of execution rows; a later attempt of the same occurrence replaces an earlier one. A
+-- backfilled delivery has its own row beside the regular occurrence's.
+INSERT INTO executions AS e (namespace, id, nominal_at, is_trigger, is_backfill, attempts,
+                             status, http_status, error, idempotency_key, started_at,
+                             finished_at, lateness_ms)
+SELECT r.namespace, r.id, to_timestamp(r.nominal_ms / 1000.0), r.is_trigger, r.is_backfill,
+       r.attempts, r.status, r.http_status, r.error, r.idempotency_key,
+       to_timestamp(r.started_ms / 1000.0), to_timestamp(r.finished_ms / 1000.0),
+       r.started_ms - r.nominal_ms
 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::boolean[], $5::int[], $6::text[],
-            $7::int[], $8::text[], $9::text[], $10::bigint[], $11::bigint[])
+            $7::int[], $8::text[], $9::text[], $10::bigint[], $11::bigint[], $12::boolean[])
      AS r(namespace, id, nominal_ms, is_trigger, attempts, status, http_status, error,
-          idempotency_key, started_ms, finished_ms)
-ON CONFLICT (namespace, id, nominal_at, is_trigger) DO UPDATE
+          idempotency_key, started_ms, finished_ms, is_backfill)
+ON CONFLICT (namespace, id, nominal_at, is_trigger, is_backfill) DO UPDATE
 SET attempts = EXCLUDED.attempts, status = EXCLUDED.status,
     http_status = EXCLUDED.http_status, error = EXCLUDED.error,
     started_at = EXCLUDED.started_at, finished_at = EXCLUDED.finished_at,
@@ -173,8 +179,8 @@ WHERE s.namespace = c.namespace AND s.id = c.id
 
 -- recent_executions --
 -- The latest executions of one schedule.
-SELECT nominal_at, is_trigger, attempts, status, http_status, error, idempotency_key,
-       started_at, finished_at, lateness_ms
+SELECT nominal_at, is_trigger, is_backfill, attempts, status, http_status, error,
+       idempotency_key, started_at, finished_at, lateness_ms
 FROM executions
 WHERE namespace = $1 AND id = $2
 ORDER BY nominal_at DESC
@@ -188,6 +194,17 @@ SELECT namespace, id, version, state, compact, fires,
 FROM schedules
 WHERE state IN ('active', 'paused')
 ORDER BY priority DESC, namespace, id;
+
+-- live_schedules_after --
+-- The next slice of the schedules the index must hold, in key order after ($1, $2) (drift
+-- repair's rolling full comparison; the primary key serves it, a slice at a time).
+SELECT namespace, id, version, state, compact, fires,
+       (extract(epoch FROM last_fire_at) * 1000)::bigint AS last_fire_ms,
+       (extract(epoch FROM next_fire_at) * 1000)::bigint AS next_fire_ms
+FROM schedules
+WHERE (namespace, id) > ($1::text, $2::text) AND state IN ('active', 'paused')
+ORDER BY namespace, id
+LIMIT $3;
 
 -- changed_schedules --
 -- Schedules a command changed since an instant (drift repair's recent window).
@@ -360,4 +377,74 @@ FROM pending_runs p
 JOIN schedules s ON s.namespace = p.namespace AND s.id = p.id
 WHERE s.state <> 'deleted' AND p.created_at < to_timestamp($1::bigint / 1000.0)
 ORDER BY p.created_at
+LIMIT $2;
+
+-- next_backfill_generation --
+-- A generation newer than the schedule's running backfill's (under the schedule's row lock).
+SELECT GREATEST($3::bigint,
+                COALESCE((SELECT generation + 1 FROM backfills WHERE namespace = $1 AND id = $2),
+                         0));
+
+-- put_backfill --
+-- Start a schedule's backfill, replacing the one it has.
+INSERT INTO backfills AS b (namespace, id, generation, from_ms, to_ms, limit_count, next_ms,
+                            remaining)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+ON CONFLICT (namespace, id) DO UPDATE
+SET generation = EXCLUDED.generation, from_ms = EXCLUDED.from_ms, to_ms = EXCLUDED.to_ms,
+    limit_count = EXCLUDED.limit_count, next_ms = EXCLUDED.next_ms,
+    remaining = EXCLUDED.remaining, created_at = now();
+
+-- drop_backfill --
+-- A schedule's backfill, gone (replaced by one with nothing to deliver, or its schedule deleted).
+DELETE FROM backfills WHERE namespace = $1 AND id = $2;
+
+-- advance_backfills --
+-- A batch of backfill completions that go on: only the generation that completed moves, and
+-- only forward.
+UPDATE backfills AS b
+SET next_ms = p.next_ms, remaining = p.remaining
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::int[])
+     AS p(namespace, id, generation, next_ms, remaining)
+WHERE b.namespace = p.namespace AND b.id = p.id AND b.generation = p.generation
+  AND b.remaining > p.remaining;
+
+-- end_backfills --
+-- Backfills whose last occurrence completed (only the generation that completed).
+DELETE FROM backfills AS b
+USING unnest($1::text[], $2::text[], $3::bigint[]) AS p(namespace, id, generation)
+WHERE b.namespace = p.namespace AND b.id = p.id AND b.generation = p.generation;
+
+-- end_backfills_of_schedules --
+-- The backfills of schedules that completed (their rotation is over: the backfill ends too).
+-- Only where the schedule is completed now: a late checkpoint of a rotation since restarted
+-- leaves the new rotation's backfill alone.
+DELETE FROM backfills AS b
+USING unnest($1::text[], $2::text[]) AS f(namespace, id), schedules AS s
+WHERE b.namespace = f.namespace AND b.id = f.id
+  AND s.namespace = b.namespace AND s.id = b.id AND s.state = 'completed';
+
+-- live_backfills --
+-- Every backfill of a schedule in rotation or paused (the rebuild's stream).
+SELECT b.namespace, b.id, b.generation, b.to_ms, b.next_ms, b.remaining, s.state
+FROM backfills b
+JOIN schedules s ON s.namespace = b.namespace AND s.id = b.id
+WHERE s.state IN ('active', 'paused')
+ORDER BY b.created_at;
+
+-- kept_backfill --
+-- One schedule's backfill, if it has one and is in rotation or paused (a redelivered backfill
+-- command puts it back into an index that never got it).
+SELECT b.namespace, b.id, b.generation, b.to_ms, b.next_ms, b.remaining, s.state
+FROM backfills b
+JOIN schedules s ON s.namespace = b.namespace AND s.id = b.id
+WHERE b.namespace = $1 AND b.id = $2 AND s.state IN ('active', 'paused');
+
+-- old_backfills --
+-- Backfills started before an instant (drift repair checks the index has them).
+SELECT b.namespace, b.id, b.generation, b.to_ms, b.next_ms, b.remaining, s.state
+FROM backfills b
+JOIN schedules s ON s.namespace = b.namespace AND s.id = b.id
+WHERE s.state IN ('active', 'paused') AND b.created_at < to_timestamp($1::bigint / 1000.0)
+ORDER BY b.created_at
 LIMIT $2;

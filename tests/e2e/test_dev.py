@@ -22,10 +22,9 @@ def _get(url: str) -> tuple[int, str]:
 async def test_dev_runs_the_services_and_prints_deliveries(
     stack_env: dict[str, str], tmp_path: Path
 ) -> None:
-    base = services.free_port()
-    while any(services.port_open("127.0.0.1", base + i) for i in range(1, 4)):
-        base = services.free_port()
-    console_port = services.free_port()
+    # Metrics of the three services and the console: base..base+3; then the sink, the console.
+    base = services.quiet_ports(6)
+    sink_port, console_port = base + 4, base + 5
     log = (tmp_path / "dev.out").open("wb")
     dev = subprocess.Popen(  # noqa: ASYNC220 - one child, waited on in a thread
         [
@@ -35,7 +34,7 @@ async def test_dev_runs_the_services_and_prints_deliveries(
             "--port-base",
             str(base),
             "--sink-port",
-            str(services.free_port()),
+            str(sink_port),
             "--status-every",
             "2",
             "--console-port",

@@ -76,9 +76,9 @@ async def test_dispatchers_share_shards_and_survive_one_dying(
 async def test_one_executor_per_core_with_a_single_command(
     stack_env: dict[str, str], stack: Stack
 ) -> None:
-    base = services.free_port()
-    while services.port_open("127.0.0.1", base + 1):
-        base = services.free_port()
+    # The two children's metrics ports, base and base + 1: below the ephemeral range, where
+    # the other pytest worker's client sockets could take base + 1 before the child binds it.
+    base = services.quiet_ports(2)
     env = {**os.environ, **stack_env, "CRONBUS_METRICS_PORT": str(base)}
     parent = subprocess.Popen(  # noqa: ASYNC220 - started once, waited on in a thread
         [str(Path(sys.executable).parent / "cronbus"), "run", "executor", "--processes", "2"],

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -134,10 +134,17 @@ def test_a_refused_connection_stops_the_start_with_one_line(
     print(f"\n{service} {case}: {naming[0]} ({took:.1f}s)")
 
 
-async def test_a_dependency_that_is_only_away_is_waited_for(tmp_path: Path) -> None:
+@pytest.fixture
+def closed() -> Iterator[int]:
+    """A port nothing listens on during the test (a free one could be taken meanwhile by a
+    server of the other pytest worker's, which the services would then reach)."""
+    with services.closed_port() as port:
+        yield port
+
+
+async def test_a_dependency_that_is_only_away_is_waited_for(tmp_path: Path, closed: int) -> None:
     """Connection refused is not a refusal: each service waits, says so on /readyz, and
     still stops on SIGTERM within the grace period."""
-    closed = services.free_port()
     stack = Stack(
         {
             "CRONBUS_REDIS_URL": f"redis://127.0.0.1:{closed}/0",

@@ -116,8 +116,13 @@ async def test_the_executor_stays_small_against_a_hostile_server(
                     target = {"kind": "webhook", "url": f"{hostile.url}{path}", "timeout_s": 3}
                     await upsert(client, "evil", interval_schedule(f"{path[1:]}-{copy}", target))
             reasons: dict[str, set[str]] = {}
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
+            failing = {p[1:] for p in paths} - {"endless-body", "endless-chunks"}
+            # Ten seconds of every attack at once at least; on a loaded machine, longer for
+            # each failure to be reported.
+            least, most = time.monotonic() + 10, time.monotonic() + 40
+            while time.monotonic() < least or (
+                not failing <= set(reasons) and time.monotonic() < most
+            ):
                 message = await events.get(within_s=0.5)
                 if message is not None:
                     event = codec.loads(message.body)
@@ -132,7 +137,7 @@ async def test_the_executor_stays_small_against_a_hostile_server(
         for path, why in sorted(reasons.items()):
             print(f"  {path}: {sorted(why)}")
         # Every attack failed, with its reason (the endless bodies are answered: 200).
-        assert {p[1:] for p in paths} - {"endless-body", "endless-chunks"} <= set(reasons)
+        assert failing <= set(reasons)
         assert "timed out after 3s" in reasons["slow-drip"]
         assert any("head larger" in r for r in reasons["huge-header"])
         # 36 connections reading endless streams for seconds: bounded, not hoarded.

@@ -1,4 +1,5 @@
-"""Fixtures the integration tests share: a store, a broker connection with the topology, a sink."""
+"""Fixtures the integration tests share: a store, a broker connection with the topology, a sink;
+and ``no_wake``, the claim-loop wake-up of an intake in a test that runs no claim loop."""
 
 from __future__ import annotations
 
@@ -35,3 +36,7 @@ async def sink() -> AsyncIterator[Sink]:
     await found.start()
     yield found
     await found.stop()
+
+
+async def no_wake(shard: int, fire_ms: int) -> None:
+    return None

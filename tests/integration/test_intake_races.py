@@ -7,11 +7,8 @@ import asyncio
 import dataclasses
 import pathlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import aio_pika
-import pytest
 import redis.exceptions
 from aio_pika.abc import AbstractRobustConnection
 
@@ -22,24 +19,7 @@ from shared.config import DispatcherSettings
 from shared.index import Index
 from shared.store import CommandAudit, Store
 from tests.conftest import SHARDS
-
-
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[Store]:
-    found = await Store.open(database_url)
-    yield found
-    await found.close()
-
-
-@pytest.fixture
-async def connection(amqp_url: str) -> AsyncIterator[AbstractRobustConnection]:
-    found = await aio_pika.connect_robust(amqp_url)
-    yield found
-    await found.close()
-
-
-async def no_wake(shard: int, fire_ms: int) -> None:
-    return None
+from tests.integration.conftest import no_wake
 
 
 def every(schedule_id: str, labels: dict[str, str] | None = None) -> dict[str, Any]:

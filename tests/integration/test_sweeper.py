@@ -331,3 +331,45 @@ async def test_drift_repair_re_adds_an_old_pending_trigger_the_index_lost(
     assert await due_at(index, young) is None
     assert await due_at(index, flying) is None  # in flight: never handed out twice
     assert await repair.check(now) == 0
+
+
+async def test_the_full_drift_comparison_is_spread_over_checks_in_slices(
+    sweeper: Sweeper, index: Index, store: Store
+) -> None:
+    await load(store, index, *(every(f"m{i:02d}", 60) for i in range(10)))
+    for i in range(10):  # all ten in PostgreSQL, none in Redis (an intake that died)
+        shard = index.shard_of("sw", f"m{i:02d}")
+        await index.client.hdel(index.keys.sched(shard), f"sw/m{i:02d}")
+        await index.client.zrem(index.keys.due(shard), f"sw/m{i:02d}")
+    sweeper.slice_min = 4  # the slice (10 entries, 30 checks per full interval): 4 rows
+
+    assert await sweeper.drift_slice() == 4
+    # Key order: the first slice compared m00..m03 and nothing after them.
+    assert await members(index) == {f"sw/m{i:02d}" for i in range(4)}
+    assert await sweeper.drift_slice() == 4
+    assert await sweeper.drift_slice() == 2  # the end of the table: the pass starts over
+    assert await members(index) == {f"sw/m{i:02d}" for i in range(10)}
+
+    # The next pass starts from the first key again and still finds what it must repair.
+    shard = index.shard_of("sw", "m01")
+    await index.client.hdel(index.keys.sched(shard), "sw/m01")
+    await index.client.zrem(index.keys.due(shard), "sw/m01")
+    assert await sweeper.drift_slice() == 1
+    assert "sw/m01" in await members(index)
+
+
+async def test_index_entries_without_a_row_are_removed_slice_by_slice(
+    sweeper: Sweeper, index: Index, store: Store
+) -> None:
+    await load(store, index, every("kept", 60))
+    row = await store.get_schedule("sw", "kept")
+    assert row is not None
+    for i in range(6):
+        member = f"sw/orphan{i}"
+        await index.upsert(
+            {index.shard_of("sw", f"orphan{i}"): [Upsert(member, 1, row.compact, "reset", NOW, "")]}
+        )
+    sweeper.slice_min = 1
+    for _ in range(SHARDS + 1):  # at most one shard's entries per slice here: a pass or more
+        await sweeper.drift_slice()
+    assert await members(index) == {"sw/kept"}

@@ -479,22 +479,24 @@ def _judge_grid(
 
 
 def _disturbed_runs(classes: dict[int, tuple[str, int, Plan]]) -> list[tuple[int, list[int]]]:
-    """Consecutive nominal times of one rotation that came due during a fault or backlog."""
-    runs: list[tuple[int, list[int]]] = []
-    current: list[int] = []
-    current_rotation = -1
+    """Consecutive nominal times of one rotation that came due during a fault or backlog.
+
+    Consecutive within that rotation: a time of another rotation in between (an old rotation's
+    forbidden time after a reset) does not split a stretch."""
+    by_rotation: dict[int, list[int]] = defaultdict(list)
     for nominal in sorted(classes):
-        verdict_class, rotation_index, _ = classes[nominal]
-        if verdict_class == DISTURBED and (not current or rotation_index == current_rotation):
-            current.append(nominal)
-            current_rotation = rotation_index
-            continue
+        by_rotation[classes[nominal][1]].append(nominal)
+    runs: list[tuple[int, list[int]]] = []
+    for rotation_index, nominals in sorted(by_rotation.items()):
+        current: list[int] = []
+        for nominal in nominals:
+            if classes[nominal][0] == DISTURBED:
+                current.append(nominal)
+            elif current:
+                runs.append((rotation_index, current))
+                current = []
         if current:
-            runs.append((current_rotation, current))
-        current = [nominal] if verdict_class == DISTURBED else []
-        current_rotation = rotation_index
-    if current:
-        runs.append((current_rotation, current))
+            runs.append((rotation_index, current))
     return runs
 
 
@@ -606,6 +608,16 @@ def _unexpected(
     verdict.findings.append(f"unexpected {name}, first arrival {occurrence.first_arrival:.0f}")
 
 
+def _may_be_the_next_rotations(following: Rotation | None, nominal: int) -> bool:
+    """While a reset is in flight, a time of the new rule may already be the new rotation's
+    (whose own max_fires counts it, from its own sent_ms)."""
+    return (
+        following is not None
+        and following.sent_ms <= nominal
+        and bool(candidates(following.plan, nominal, nominal))
+    )
+
+
 def _check_max_fires(
     timeline: Timeline, regular: dict[int, Occurrence], ctx: Context, verdict: Verdict, label: str
 ) -> None:
@@ -615,7 +627,12 @@ def _check_max_fires(
             continue
         ends = _rotation_end(timeline, index)
         stop = ends[1] if ends is not None else math.inf
-        mine = sorted(n for n in regular if rotation.sent_ms <= n <= stop)
+        following = timeline.rotations[index + 1] if index + 1 < len(timeline.rotations) else None
+        mine = sorted(
+            n
+            for n in regular
+            if rotation.sent_ms <= n <= stop and not _may_be_the_next_rotations(following, n)
+        )
         for nominal in mine[rotation.plan.max_fires :]:
             _unexpected(
                 verdict,

@@ -44,6 +44,12 @@ class Profile:
     commands_per_calm: int
 
     @property
+    def drain_s(self) -> float:
+        """How long the judgement waits for what is still owed: late is not lost, and a long
+        run ends with the backlog of its last overload burst still draining."""
+        return 45.0 if self.minutes <= 0 else 180.0
+
+    @property
     def run_s(self) -> float:
         return max(self.minutes * 60, 100.0)
 
@@ -243,7 +249,7 @@ class Ledger:
                 break
         await self.calm(self.profile.calm_s, self.profile.commands_per_calm)
         horizon = now_ms() - 1000
-        return await self.drain_and_judge(horizon)
+        return await self.drain_and_judge(horizon, self.profile.drain_s)
 
     def history(self) -> dict[str, Any]:
         """The command history of every mix schedule, for the JSON report."""

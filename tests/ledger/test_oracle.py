@@ -339,3 +339,45 @@ def test_perfect_delivery_is_clean_and_each_loss_counts(
     gone = required[drop % len(required)].fire_time_ms
     less = oracle.judge([t], [r for r in delivered if r.fire_time_ms != gone], [], horizon)
     assert less.total("lost") == 1
+
+
+def test_a_fire_once_catch_up_counts_for_the_whole_stretch_across_an_old_rotations_times() -> None:
+    """Ledger, seed 52842: a fire_once schedule reset from every 2 s to every 3 s, then a
+    fault. The old rotation's times are forbidden after the reset, and one of them fell between
+    two of the new rotation's missed times: the stretch was split in two, and the catch-up
+    (the latest missed time) counted for the second part only: one lost catch-up reported."""
+    every_3s = {"kind": "interval", "every_s": 3, "start_at": timefmt.format_ms(T0)}
+    old = plan(EVERY_2S, "fire_once")
+    new = plan(every_3s, "fire_once")
+    reset = (T0 + 1_000, T0 + 1_010)
+    t = oracle.Timeline(
+        NS, "s", [oracle.Rotation(old, T0 - 100, T0 - 50), oracle.Rotation(new, *reset)]
+    )
+    fault = oracle.Fault("broker-restart", T0 + 10_500, T0 + 13_000)
+    horizon = T0 + 40_000
+    window = oracle.fault_windows([fault], 2000, 6000).spans[0]
+    delivered = [
+        request(n, n + 5)
+        for n in oracle.candidates(new, reset[0], horizon)
+        if not window[0] <= n <= window[1]
+    ]
+    # The missed stretch is 9, 12, 15 and 18 s (the old rotation's 10, 12 ... s lie between);
+    # fire_once delivers one catch-up for it, the latest missed time, once the broker is back.
+    caught_up = [*delivered, request(T0 + 18_000, T0 + 19_000)]
+    assert oracle.judge([t], caught_up, [fault], horizon).total("lost") == 0
+    assert oracle.judge([t], delivered, [fault], horizon).total("lost") == 1
+
+
+def test_a_time_of_the_new_rule_in_the_resets_window_is_not_counted_against_the_old() -> None:
+    # The old rotation has used its two fires. The reset is in flight from +8.99 s to +9.01 s,
+    # and +9 s is a time of the new rule only: it belongs to the new rotation, not the old one.
+    old, new = plan({**EVERY_2S, "max_fires": 2}), plan({"kind": "interval", "every_s": 3})
+    t = oracle.Timeline(
+        NS,
+        "s",
+        [oracle.Rotation(old, T0 - 100, T0 - 50), oracle.Rotation(new, T0 + 8990, T0 + 9010)],
+    )
+    delivered = [request(T0, T0 + 5), request(T0 + 2000, T0 + 2005), request(T0 + 9000, T0 + 9020)]
+    verdict = oracle.judge([t], delivered, [], T0 + 10_000)
+    assert verdict.total("unexpected") == 0, verdict.findings
+    assert verdict.total("lost") == 0, verdict.findings

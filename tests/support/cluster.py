@@ -32,10 +32,16 @@ class Cluster:
             )
 
 
+#: The node ports and their bus ports (port + 10000, up to 32767) stay below Linux's
+#: ephemeral range (32768-60999): a port there can be taken at any moment by a client
+#: socket of the tests' own traffic, and the node then fails to bind it.
+FIRST_PORT, LAST_PORT = 20_000, 22_767
+
+
 def _cluster_port() -> int:
     """A free port whose cluster bus port (port + 10000) is free and valid too."""
     while True:
-        port = random.randint(20_000, 45_000)
+        port = random.randint(FIRST_PORT, LAST_PORT)
         if not port_open("127.0.0.1", port, 0.2) and not port_open("127.0.0.1", port + 10_000, 0.2):
             return port
 

@@ -9,10 +9,14 @@ Redis, a vhost per test in RabbitMQ, a database per test in PostgreSQL.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import queue
+import random
 import shutil
 import socket
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +43,41 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+@contextlib.contextmanager
+def closed_port() -> Iterator[int]:
+    """A loopback port that refuses connections for as long as the block runs: a socket bound
+    to it without listening holds it, so no other process (the other pytest worker's servers
+    included) can start listening there meanwhile."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        port: int = holder.getsockname()[1]
+        yield port
+
+
+#: Ports for services that bind them some time after the test picks them. They stay below
+#: Linux's ephemeral range (32768-60999), where the other pytest worker's client sockets and
+#: free_port() keep taking ports, and apart from the Redis Cluster nodes' (support/cluster.py).
+QUIET_FIRST, QUIET_LAST = 23_000, 29_999
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
+
+
+def quiet_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports, all free now, outside the ephemeral range."""
+    rng = random.Random()
+    while True:
+        first = rng.randint(QUIET_FIRST, QUIET_LAST - count)
+        if all(_bindable(first + i) for i in range(count)):
+            return first
 
 
 @dataclass
@@ -133,3 +172,70 @@ def add_vhost(ctl: list[str], vhost: str, user: str = "guest") -> None:
 
 def delete_vhost(ctl: list[str], vhost: str) -> None:
     subprocess.run([*ctl, "delete_vhost", vhost], check=False, capture_output=True)
+
+
+class VhostPool:
+    """Fresh RabbitMQ vhosts made ahead of need and deleted behind, on a thread of their own.
+
+    Each ``rabbitmqctl`` call starts an Erlang VM (a second or two on a busy machine); three
+    per test added minutes to the suite, spent waiting. Every vhost is still new, unique and
+    used by one test only: only the waiting moves off the test's path.
+    """
+
+    _ADD, _DELETE, _STOP = 0, 1, 2
+
+    def __init__(self, ctl: list[str], prefix: str = "cronbus-t-", ahead: int = 1) -> None:
+        self._ctl = ctl
+        self._prefix = prefix
+        self._ahead = ahead
+        self._ready: queue.Queue[str | BaseException] = queue.Queue()
+        # Creations before deletions: a test may be waiting for the next vhost.
+        self._jobs: queue.PriorityQueue[tuple[int, int, str]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._worker: threading.Thread | None = None
+
+    def _put(self, kind: int, vhost: str = "") -> None:
+        self._jobs.put((kind, next(self._order), vhost))
+
+    def _work(self) -> None:
+        while True:
+            kind, _, vhost = self._jobs.get()
+            if kind == self._STOP:
+                return
+            if kind == self._DELETE:
+                delete_vhost(self._ctl, vhost)
+                continue
+            try:
+                add_vhost(self._ctl, vhost)
+            except (OSError, subprocess.CalledProcessError) as exc:
+                self._ready.put(exc)
+            else:
+                self._ready.put(vhost)
+
+    def take(self, timeout_s: float = 120) -> str:
+        """A vhost of the caller's own, with the guest user's permissions."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="vhost-pool", daemon=True)
+            self._worker.start()
+            for _ in range(self._ahead):
+                self._put(self._ADD, unique(self._prefix))
+        self._put(self._ADD, unique(self._prefix))
+        found = self._ready.get(timeout=timeout_s)
+        if isinstance(found, BaseException):
+            raise RuntimeError(f"rabbitmqctl could not add a vhost: {found!r}") from found
+        return found
+
+    def give_back(self, vhost: str) -> None:
+        """Delete ``vhost`` (later, on the pool's thread)."""
+        self._put(self._DELETE, vhost)
+
+    def close(self) -> None:
+        """Finish every pending deletion and delete the vhosts made ahead but never taken."""
+        if self._worker is None:
+            return
+        self._put(self._STOP)
+        self._worker.join()
+        while not self._ready.empty():
+            left = self._ready.get_nowait()
+            if isinstance(left, str):
+                delete_vhost(self._ctl, left)

@@ -79,3 +79,27 @@ def test_fire_all_never_drops_an_occurrence_that_is_on_time_because_of_its_jitte
         if not schedule.is_missed(plan, member, n, now)
     ]
     assert dropped_on_time == [], f"{len(dropped_on_time)} on-time occurrences dropped"
+
+
+def test_a_resume_before_the_first_fire_keeps_an_occurrence_its_jitter_makes_due_later() -> None:
+    """Ledger, seed 52842: a cron schedule paused before its first fire and resumed 14 ms after
+    the nominal time 70 s, whose jitter offset makes it due at 71.632 s. That occurrence is on
+    time (lateness is measured from the due time), so the resume must place it, under every
+    policy; the resume used to start at the first nominal time after now (75 s)."""
+    member = "ns/s"
+    for policy in ("skip", "fire_once", "fire_all"):
+        plan = Plan(
+            version=1,
+            rule=IntervalRule(5 * SECOND),
+            target=WebhookPlan("http://sink/x"),
+            misfire=MisfireRule(policy, grace_ms=SECOND),
+            jitter_ms=3 * SECOND,
+        )
+        nominal = next(
+            n
+            for n in range(70 * SECOND, 7000 * SECOND, 5 * SECOND)
+            if schedule.fire_at_ms(plan, member, n) - n > 1500
+        )
+        current = rotation.Current(plan, "paused", 0, None, None)
+        placement = rotation.place_resume(current, nominal + 14, member)
+        assert placement.next_nominal == nominal, policy

@@ -1,0 +1,33 @@
+-- Room on every page for the firing path's updates, so that they are HOT (heap-only tuple)
+-- updates: the new row version stays on its page and no index gets a new entry.
+--
+-- The executors update a `schedules` row at every fire (write_checkpoints: last_fire_at,
+-- next_fire_at, fires; state only when a rotation ends) and a `schedule_stats` row
+-- (write_stats: counters and the last outcome). None of those columns is in an index of its
+-- table, except `state` (schedules_rebuild's predicate, schedules_console_state's key), which
+-- a checkpoint changes only when the rotation completes. So each update can be HOT, if its
+-- page has room for the new version. At the default fillfactor of 100 an import packs the
+-- pages full (a `schedules` row is about 1 KB, 8 to a page): the first checkpoint on a page
+-- moves its row to another page and adds an entry to each of the six indexes of
+-- `schedules`, 8 WAL records and 1.6 KB of WAL for that row instead of 1 record and 90
+-- bytes. Page pruning (no VACUUM needed) frees the old version's room for a later update of
+-- the page, once no snapshot can see it; in a herd a page's next update often comes sooner.
+--
+-- 70 leaves 30% of each page free: room for two new versions of a 1 KB row. Measured in
+-- herds of 100,000 (docs/scaling.md, PostgreSQL's share), the share of checkpoints that were
+-- HOT: 71-73% at 100, 85-86% at 80, 92-96% at 70, 99-100% at 60, which takes a fifth more
+-- pages than 70 for no measurable CPU. `schedule_stats` rows are about 130 bytes: 90 leaves
+-- room for six new versions per page.
+--
+-- Pages written before this migration keep their packing: a fillfactor applies only to
+-- pages filled from now on (new rows, and rows that move). Until the tables are rewritten,
+-- updates of the rows on those pages are HOT only as far as pruning makes room. To rewrite
+-- them (README, "Upgrading to migration 0007"): `VACUUM FULL schedules, schedule_stats;` in
+-- a maintenance window (it holds an ACCESS EXCLUSIVE lock for its whole run: every read and
+-- write of those tables waits), or online with pg_repack (`pg_repack --table=schedules
+-- --table=schedule_stats`; the extension must be installed in the database).
+--
+-- Setting a fillfactor takes only a SHARE UPDATE EXCLUSIVE lock and rewrites nothing, so
+-- this migration runs while the previous release serves.
+ALTER TABLE schedules SET (fillfactor = 70);
+ALTER TABLE schedule_stats SET (fillfactor = 90);
