@@ -113,7 +113,14 @@ async def test_the_executor_stays_small_against_a_hostile_server(
         async with events_queue(amqp_url, "evil.*") as events:
             for path in paths:
                 for copy in range(4):
-                    target = {"kind": "webhook", "url": f"{hostile.url}{path}", "timeout_s": 3}
+                    # One circuit breaker per attack: a breaker opened by the first attacks
+                    # to fail would otherwise hold the rest, which then never fail in time.
+                    target = {
+                        "kind": "webhook",
+                        "url": f"{hostile.url}{path}",
+                        "timeout_s": 3,
+                        "rate_key": path[1:],
+                    }
                     await upsert(client, "evil", interval_schedule(f"{path[1:]}-{copy}", target))
             reasons: dict[str, set[str]] = {}
             failing = {p[1:] for p in paths} - {"endless-body", "endless-chunks"}
