@@ -638,30 +638,112 @@ async def _forget_index(found: Corner) -> None:
 
 
 async def _rebuild(args: argparse.Namespace) -> dict[str, Any]:
-    settings = CommonSettings()
-    async with corner(settings) as found:
-        before = await _redis_used_memory(found.redis_url)
-        lines = herd_lines(args.n, int(time.time() * 1000) + 86_400_000, "http://127.0.0.1:9/x")
-        imported, import_s = await _import(found, lines)
-        bytes_per = (await _redis_used_memory(found.redis_url) - before) / max(imported, 1)
-        await _forget_index(found)
-        with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
-            run = Run(found, Path(logs))
-            run.start("sweeper", 1, {**_service_env(args), "CRONBUS_SWEEP_INTERVAL_S": "0.2"})
-            try:
-                rebuild_s = await _wait_for_rebuild(run.processes[0], args.timeout_s)
-            finally:
-                procs.stop_all(run.processes)
-        restored = await _count_index(found)
-    return {
+    sink = Sink()
+    await sink.start()
+    try:
+        async with corner(CommonSettings()) as found:
+            return await _rebuild_in(args, found, sink)
+    finally:
+        await sink.stop()
+
+
+#: Fires of the firing schedules are measured from this long after the rebuild started (its
+#: first page, which holds them, is written by then) to its end.
+REBUILD_FIRING_MARGIN_MS = 1000
+
+
+def firing_lines(k: int, first_ms: int, url: str) -> Iterator[bytes]:
+    """``k`` schedules firing every second, at a higher priority than the herd: a rebuild
+    restores them first, and they fire while the rest streams in."""
+    start = timefmt.format_ms(first_ms)
+    for i in range(k):
+        yield codec.dumps(
+            {
+                "id": f"f{i:06d}",
+                "spec": {"kind": "interval", "every_s": 1, "start_at": start},
+                "target": {"kind": "webhook", "url": url},
+                "priority": 1,
+            }
+        )
+
+
+async def _rebuild_in(args: argparse.Namespace, found: Corner, sink: Sink) -> dict[str, Any]:
+    env = {
+        **_service_env(args),
+        "CRONBUS_SWEEP_INTERVAL_S": "0.2",
+        "CRONBUS_REBUILD_BATCH": str(args.rebuild_batch),
+    }
+    with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
+        # As on a fresh install: a sweeper finds no index, builds the empty one, and stops
+        # (so that neither it nor a rebuild of what is imported next competes with the import).
+        first = Run(found, Path(logs))
+        first.start("sweeper", 1, env)
+        try:
+            await _wait_for_rebuild(first.processes[0], args.timeout_s)
+        finally:
+            procs.stop_all(first.processes)
+    before = await _redis_used_memory(found.redis_url)
+    lines = herd_lines(args.n, int(time.time() * 1000) + 86_400_000, "http://127.0.0.1:9/x")
+    imported, import_s = await _import(found, lines)
+    bytes_per = (await _redis_used_memory(found.redis_url) - before) / max(imported, 1)
+    with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
+        run = Run(found, Path(logs))
+        if args.firing:
+            run.start("dispatcher", args.dispatchers, env)
+            run.start("executor", args.executors, env)
+        run.start("sweeper", 1, env)
+        try:
+            await run.ready()
+            if args.firing:
+                # Firing before Redis loses its data, as in production.
+                first_ms = (int(time.time()) + 3) * 1000
+                await _import(found, firing_lines(args.firing, first_ms, f"{sink.url}/f"))
+                await asyncio.sleep(max(first_ms / 1000 - time.time(), 0) + 2)
+            lost_at_ms = int(time.time() * 1000)
+            await _forget_index(found)
+            sweeper = next(p for p in run.processes if p.name == "sweeper")
+            rebuild_s = await _wait_for_rebuild(sweeper, args.timeout_s)
+            ended_ms = int(time.time() * 1000)
+            await asyncio.sleep(args.settle_s)
+        finally:
+            procs.stop_all(run.processes)
+    figures: dict[str, Any] = {
         "n": args.n,
         "imported": imported,
         "import_s": round(import_s, 2),
         "import_per_s": round(imported / import_s, 1) if import_s else None,
         "rebuild_s": rebuild_s,
-        "rebuild_per_s": round(args.n / rebuild_s, 1),
-        "restored": restored,
+        "rebuild_per_s": round((args.n + args.firing) / rebuild_s, 1),
+        "restored": await _count_index(found),
         "redis_bytes_per_schedule": round(bytes_per, 1),
+    }
+    if args.firing:
+        # The rebuild's start, from its own measure: at most one poll before it was seen done.
+        started_ms = max(ended_ms - round(rebuild_s * 1000) - 500, lost_at_ms)
+        window = (started_ms + REBUILD_FIRING_MARGIN_MS, ended_ms - 500)
+        figures |= firing_figures(args.firing, window, list(sink.received))
+    return figures
+
+
+def firing_figures(k: int, window: tuple[int, int], received: list[Received]) -> dict[str, Any]:
+    """How the firing schedules fared while the rebuild ran: their fires due in ``window``."""
+    start_ms, end_ms = window
+    inside = [
+        r
+        for r in received
+        if r.schedule.rsplit("/", 1)[-1].startswith("f")
+        and start_ms <= timefmt.parse_rfc3339_ms(r.fire_time) < end_ms
+    ]
+    late = [r.at_ms - timefmt.parse_rfc3339_ms(r.fire_time) for r in inside if r.attempt == 1]
+    expected = k * max(0, math.ceil(end_ms / 1000) - math.ceil(start_ms / 1000))
+    return {
+        "firing": k,
+        "firing_window_s": round(max(end_ms - start_ms, 0) / 1000, 1),
+        "firing_expected": expected,
+        "firing_lost": expected - len({(r.schedule, r.fire_time) for r in inside}),
+        "firing_p50_ms": round(_percentile(late, 0.50), 1),
+        "firing_p99_ms": round(_percentile(late, 0.99), 1),
+        "firing_max_ms": round(max(late, default=math.nan), 1),
     }
 
 
@@ -744,6 +826,16 @@ def add_parser(sub: Any) -> None:
     )
     rebuild.add_argument("--n", type=int, default=100_000)
     rebuild.add_argument("--timeout-s", type=float, default=600)
+    rebuild.add_argument(
+        "--firing",
+        type=int,
+        default=1000,
+        help="schedules firing every second while the rebuild runs (rebuilt first), "
+        "whose lateness is measured; 0: the sweeper alone",
+    )
+    rebuild.add_argument(
+        "--rebuild-batch", type=int, default=2000, help="CRONBUS_REBUILD_BATCH for the sweeper"
+    )
     rebuild.set_defaults(handler=run_rebuild)
     console_bench.add_parser(kinds)
     from cronbus import bench_intake  # noqa: PLC0415 - it builds on this module

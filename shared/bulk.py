@@ -12,21 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import time
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import asyncpg
 import pydantic
 
-from shared import compact, keys, models, rotation, schedule, validation
+from shared import compact, keys, models, rotation, schedule, transient, validation
 from shared.errors import ValidationFailed
 from shared.index import Index, Upsert, resting_occ_state
 from shared.store import CommandAudit, NewScheduleRow, ScheduleRow, Store
 
 DEFAULT_BATCH = 5000
+#: An import at least this large is followed by ANALYZE of the schedules table.
+ANALYZE_AFTER = 10_000
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 FieldErrors = list[dict[str, str]]
 
 
@@ -149,6 +155,10 @@ async def import_lines(
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
+    if result.imported >= ANALYZE_AFTER:
+        # Fresh statistics, so plans fit the table's new size at once: autovacuum may be off,
+        # or come by only after the services have planned with the old ones.
+        await _with_retries(store.analyze_schedules, "analyze")
     return result
 
 
@@ -234,6 +244,47 @@ def _fresh_placement(entry: Prepared) -> rotation.Placement:
     return rotation.Placement("active", "reset", entry.first_nominal, 0, None, new_rotation=True)
 
 
+#: Attempts at each write of a batch: a statement cancelled by its timeout while PostgreSQL
+#: checkpoints, or a moment without a connection, must not end an import hours long.
+WRITE_ATTEMPTS = 6
+_RETRYABLE: tuple[type[BaseException], ...] = (
+    *transient.ERRORS,
+    asyncpg.QueryCanceledError,
+    asyncpg.DeadlockDetectedError,
+    asyncpg.SerializationError,
+)
+
+
+async def _with_retries(operation: Callable[[], Awaitable[T]], what: str) -> T:
+    """``operation``, again after a growing pause while it fails for a passing reason."""
+    attempt = 1
+    while True:
+        try:
+            return await operation()
+        except _RETRYABLE as exc:
+            if attempt >= WRITE_ATTEMPTS:
+                raise
+            log.warning(
+                "import write failed; trying again",
+                extra={"action": "import_retry", "operation": what, "error": repr(exc)},
+            )
+            await asyncio.sleep(0.5 * 2 ** (attempt - 1))
+            attempt += 1
+
+
+@dataclass
+class _Written:
+    """What one batch's transaction wrote, counted only once it committed."""
+
+    rows: int = 0
+    created: int = 0
+    earliest_fire_ms: int | None = None
+    upserts: dict[int, list[Upsert]] = field(default_factory=lambda: defaultdict(list))
+    removals: dict[int, list[tuple[str, int | None]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+
+
 async def _write_batch(
     batch: list[Prepared],
     namespace: str,
@@ -243,24 +294,48 @@ async def _write_batch(
     result: ImportResult,
     app_id: str | None,
 ) -> None:
+    # The transaction is tried again as a whole (it rolled back); the index writes after it,
+    # each its own retry, are fenced by version, so writing one twice changes nothing.
+    written = await _with_retries(
+        lambda: _write_rows(batch, namespace, store, index, now, app_id), "schedules"
+    )
+    if written.upserts:
+        await _with_retries(lambda: index.upsert(dict(written.upserts)), "index upserts")
+    if written.removals:
+        await _with_retries(lambda: index.remove(dict(written.removals)), "index removals")
+    result.imported += written.rows
+    result.created += written.created
+    if written.earliest_fire_ms is not None and (
+        result.earliest_fire_ms is None or written.earliest_fire_ms < result.earliest_fire_ms
+    ):
+        result.earliest_fire_ms = written.earliest_fire_ms
+
+
+async def _write_rows(
+    batch: list[Prepared],
+    namespace: str,
+    store: Store,
+    index: Index,
+    now: int,
+    app_id: str | None,
+) -> _Written:
+    written = _Written()
     rows: list[NewScheduleRow] = []
-    upserts: dict[int, list[Upsert]] = defaultdict(list)
-    removals: dict[int, list[tuple[str, int | None]]] = defaultdict(list)
     async with store.transaction() as conn:
         existing = await store.lock_schedules(conn, namespace, [p.id for p in batch])
         for entry in batch:
             row, upsert, created = _placed(entry, existing.get(entry.id), namespace, now)
             rows.append(row)
-            result.created += created
+            written.created += created
             shard = index.shard_of(namespace, entry.id)
             if upsert is None:
-                removals[shard].append((keys.member(namespace, entry.id), row.version))
+                written.removals[shard].append((keys.member(namespace, entry.id), row.version))
                 continue
-            upserts[shard].append(upsert)
+            written.upserts[shard].append(upsert)
             if upsert.next_fire_ms is not None and (
-                result.earliest_fire_ms is None or upsert.next_fire_ms < result.earliest_fire_ms
+                written.earliest_fire_ms is None or upsert.next_fire_ms < written.earliest_fire_ms
             ):
-                result.earliest_fire_ms = upsert.next_fire_ms
+                written.earliest_fire_ms = upsert.next_fire_ms
         await store.put_schedules(conn, rows)
         await store.record_command(
             CommandAudit(
@@ -273,11 +348,8 @@ async def _write_batch(
             ),
             conn,
         )
-    if upserts:
-        await index.upsert(dict(upserts))
-    if removals:
-        await index.remove(dict(removals))
-    result.imported += len(rows)
+    written.rows = len(rows)
+    return written
 
 
 def refused_lines(result: ImportResult) -> list[str]:

@@ -30,6 +30,9 @@ from pydantic import (
 
 from shared import cron, netpolicy, timefmt
 
+# Priorities run from -MAX_PRIORITY to MAX_PRIORITY; a rebuild streams the highest first.
+MAX_PRIORITY = 1000
+
 # \Z, not $: "$" also matches before a trailing newline, which would let "acme\n" through.
 NAMESPACE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}\Z")
 SCHEDULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}\Z")
@@ -421,7 +424,7 @@ class Schedule(Strict):
     #: A deterministic delay in [0, jitter_s) per occurrence, spreading herds.
     jitter_s: float = Field(default=0, ge=0, le=86_400)
     #: Rebuild order after Redis loses data: higher first.
-    priority: int = Field(default=0, ge=-1000, le=1000)
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     #: Create (or keep) the schedule paused.
     paused: bool = False
     labels: dict[str, str] = Field(default_factory=dict)

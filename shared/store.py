@@ -16,6 +16,7 @@ import asyncpg
 
 from shared import codec, timefmt
 from shared.errors import StoreError
+from shared.models import MAX_PRIORITY
 from shared.sql import QUERIES
 
 #: A connection, pooled or not.
@@ -771,10 +772,31 @@ class Store:
         records = await self.pool.fetch(QUERIES["recent_executions"], namespace, schedule_id, limit)
         return [dict(record) for record in records]
 
+    async def analyze_schedules(self) -> None:
+        await self.pool.execute(QUERIES["analyze_schedules"])
+
     async def live_schedules(self, batch: int) -> AsyncIterator[list[LiveSchedule]]:
-        """Every active or paused schedule, highest priority first, ``batch`` rows at a time."""
-        async for chunk in self._stream(QUERIES["live_schedules"], batch):
-            yield chunk
+        """Every active or paused schedule, highest priority first, ``batch`` rows at a time.
+
+        Keyset pages, each its own short statement: one cursor over the whole table was planned
+        as a sort of every row when the table had no statistics (10,000,000 rows outlasted the
+        statement timeout, so a rebuild never started), and it held one snapshot for minutes,
+        which keeps vacuum and page pruning from the executors' checkpoint updates. A schedule a
+        command changes meanwhile may be read at its newer version or, if its priority moved to
+        one already read, not at all: the command wrote the index itself in both cases."""
+        priority = await self.pool.fetchval(QUERIES["live_priority_below"], MAX_PRIORITY + 1)
+        while priority is not None:
+            after = ("", "")
+            while True:
+                records = await self.pool.fetch(
+                    QUERIES["live_schedules_page"], priority, *after, batch
+                )
+                if records:
+                    yield [LiveSchedule.of(record) for record in records]
+                if len(records) < batch:
+                    break
+                after = (records[-1]["namespace"], records[-1]["id"])
+            priority = await self.pool.fetchval(QUERIES["live_priority_below"], priority)
 
     async def live_schedules_after(self, after: tuple[str, str], limit: int) -> list[LiveSchedule]:
         """At most ``limit`` active or paused schedules whose key comes after ``after``

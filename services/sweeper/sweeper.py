@@ -24,6 +24,7 @@ from shared import compact, db, keys, metrics, rotation, transient
 from shared.config import SweeperSettings
 from shared.index import Index, Upsert
 from shared.plan import same_rotation
+from shared.readahead import read_ahead
 from shared.store import Checkpoint, LiveSchedule, Store
 
 log = logging.getLogger(__name__)
@@ -228,14 +229,16 @@ class Sweeper:
         metrics.REBUILD_RUNNING.set(1)
         written = 0
         try:
-            async for chunk in self.store.live_schedules(self.settings.rebuild_batch):
-                written += await self._write_entries(chunk)
-                metrics.REBUILD_PROGRESS.set(written)
-                if written and written % 100_000 < len(chunk):
-                    log.info(
-                        "rebuild progress",
-                        extra={"action": "rebuild_progress", "schedules": written},
-                    )
+            pages = read_ahead(self.store.live_schedules(self.settings.rebuild_batch))
+            async with contextlib.aclosing(pages):
+                async for chunk in pages:
+                    written += await self._write_entries(chunk)
+                    metrics.REBUILD_PROGRESS.set(written)
+                    if written and written % 100_000 < len(chunk):
+                        log.info(
+                            "rebuild progress",
+                            extra={"action": "rebuild_progress", "schedules": written},
+                        )
             await pending.restore_all(self.index, self.store, self.settings.rebuild_batch)
             await backfills.restore_all(self.index, self.store, self.settings.rebuild_batch)
             generation = await self.store.index_generation() + 1
@@ -417,8 +420,10 @@ class Sweeper:
     async def full_drift_scan(self) -> int:
         """Every index entry checked against PostgreSQL, and every live row against the index."""
         repaired = 0
-        async for chunk in self.store.live_schedules(self.settings.rebuild_batch):
-            repaired += await self.reconcile(chunk)
+        pages = read_ahead(self.store.live_schedules(self.settings.rebuild_batch))
+        async with contextlib.aclosing(pages):
+            async for chunk in pages:
+                repaired += await self.reconcile(chunk)
         for shard in range(self.settings.shards):
             repaired += await self._remove_orphans(shard)
         return repaired

@@ -186,14 +186,27 @@ WHERE namespace = $1 AND id = $2
 ORDER BY nominal_at DESC
 LIMIT $3;
 
--- live_schedules --
--- Every schedule the index must hold, highest priority first (the rebuild's stream).
+-- analyze_schedules --
+ANALYZE schedules;
+
+-- live_priority_below --
+-- The highest priority under $1 that a live schedule has (the rebuild's stream walks the
+-- priorities down, one at a time; schedules_rebuild answers it from its first entry).
+SELECT max(priority) FROM schedules
+WHERE state IN ('active', 'paused') AND priority < $1;
+
+-- live_schedules_page --
+-- The next page of the live schedules at one priority, in key order after ($2, $3). A keyset
+-- page on schedules_rebuild: PostgreSQL reads it from the index in order whatever its
+-- statistics say, where a whole-table ORDER BY was planned as a sort of every row.
 SELECT namespace, id, version, state, compact, fires,
        (extract(epoch FROM last_fire_at) * 1000)::bigint AS last_fire_ms,
        (extract(epoch FROM next_fire_at) * 1000)::bigint AS next_fire_ms
 FROM schedules
-WHERE state IN ('active', 'paused')
-ORDER BY priority DESC, namespace, id;
+WHERE state IN ('active', 'paused') AND priority = $1
+  AND (namespace, id) > ($2::text, $3::text)
+ORDER BY namespace, id
+LIMIT $4;
 
 -- live_schedules_after --
 -- The next slice of the schedules the index must hold, in key order after ($1, $2) (drift

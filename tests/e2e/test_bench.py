@@ -100,3 +100,24 @@ async def test_herd_with_an_external_sink_counts_each_component(
     assert by_component["sink"] > 0
     assert figures["cpu_ms_per_fire"] >= by_component["executors"]
     assert figures["host_cpu_ms_per_fire"] > 0
+
+
+async def test_rebuild_restores_everything_while_the_first_rebuilt_keep_firing(
+    endpoints: services.Endpoints,
+) -> None:
+    n, firing = 20_000, 20
+    code, out, err = await bench(
+        endpoints,
+        *("rebuild", "--n", str(n), "--firing", str(firing), "--executors", "1"),
+        # Pages of 5 rows: a rebuild of some seconds, long enough to see fires inside it.
+        *("--rebuild-batch", "2"),
+        *("--settle-s", "1", "--json"),
+    )
+    assert code == 0, err
+    figures = json.loads(out)
+    assert figures["restored"] == n + firing
+    # The firing schedules fired, every second of the rebuild, each of their fires once or
+    # more, and were measured (lateness figures are the bench's to report, not to assert).
+    assert figures["firing_expected"] >= firing, figures
+    assert figures["firing_lost"] == 0, figures
+    assert figures["firing_p99_ms"] >= 0

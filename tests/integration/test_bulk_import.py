@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import asyncpg
@@ -84,3 +85,48 @@ async def test_reimport_replaces_but_keeps_a_rotation_whose_times_did_not_change
     assert await index.client.zscore(index.keys.due(shard), "imp/same") == 42
     changed_due, _, _ = await index.position(index.shard_of("imp", "changed"), "imp/changed")
     assert changed_due == row.next_fire_ms
+
+
+async def test_a_batch_cancelled_by_the_statement_timeout_is_written_on_a_later_try(
+    database_url: str, index: Index, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = await Store.open(database_url)
+    try:
+        await bulk.import_lines([line("held")], "imp", store, index, LOCAL, workers=1)
+    finally:
+        await store.close()
+    admin = await asyncpg.connect(database_url)
+    holder = await asyncpg.connect(database_url)
+    try:
+        # PostgreSQL cancels any statement after 300 ms, as a busy server's timeout would.
+        await admin.execute(
+            f'ALTER DATABASE "{await admin.fetchval("SELECT current_database()")}" '
+            "SET statement_timeout = 300"
+        )
+        held = holder.transaction()
+        await held.start()
+        await holder.execute("SELECT 1 FROM schedules WHERE id = 'held' FOR UPDATE")
+        store = await Store.open(database_url)
+        try:
+            lines = [line(f"s{i}") for i in range(5)]
+            lines.append(line("held", kind="interval", every_s=120))
+            importing = asyncio.create_task(
+                bulk.import_lines(lines, "imp", store, index, LOCAL, workers=1)
+            )
+            await asyncio.sleep(1.5)  # the batch's lock wait was cancelled at least once
+            assert not importing.done()
+            await held.rollback()
+            result = await asyncio.wait_for(importing, 60)
+        finally:
+            await store.close()
+        rows = await admin.fetch("SELECT id, version FROM schedules ORDER BY id")
+    finally:
+        await holder.close()
+        await admin.close()
+    assert (result.imported, result.created) == (6, 5)
+    assert {r["id"]: r["version"] for r in rows} == {
+        "held": 2,
+        **{f"s{i}": 1 for i in range(5)},
+    }
+    retries = [r for r in caplog.records if getattr(r, "action", None) == "import_retry"]
+    assert retries and "QueryCanceled" in getattr(retries[0], "error", ""), caplog.records
