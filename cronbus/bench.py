@@ -272,16 +272,38 @@ def _emit(args: argparse.Namespace, figures: dict[str, Any]) -> None:
 # --- herd -----------------------------------------------------------------------------------
 
 
-def herd_lines(n: int, first_ms: int, url: str) -> Iterator[bytes]:
+#: ``--features``: a rate limit no herd reaches, so its whole cost is paid and nothing waits.
+UNREACHED_RATE_LIMIT = {"per_s": 100_000, "burst": 100_000}
+#: ``--features``: a fire rate quota no herd reaches.
+UNREACHED_QUOTA = {"max_fires_per_s": 1_000_000}
+#: ``--features``: a Standard Webhooks signing secret (a fixed one: the bench signs, nobody checks).
+BENCH_SIGNING_SECRET = "whsec_" + "Y3JvbmJ1cy1iZW5jaC1zaWduaW5nLWtleS0wMQ=="
+
+
+def herd_lines(
+    n: int, first_ms: int, url: str, rate_limit: dict[str, int] | None = None
+) -> Iterator[bytes]:
     start = timefmt.format_ms(first_ms)
+    target: dict[str, Any] = {"kind": "webhook", "url": url}
+    if rate_limit is not None:
+        target["rate_limit"] = rate_limit
     for i in range(n):
         yield codec.dumps(
             {
                 "id": f"h{i:08d}",
                 "spec": {"kind": "interval", "every_s": 3600, "start_at": start},
-                "target": {"kind": "webhook", "url": url},
+                "target": target,
             }
         )
+
+
+def feature_env(directory: Path) -> dict[str, str]:
+    """Signing secrets and a quota for the bench's namespace, in files of ``directory``."""
+    secrets = directory / "signing-secrets.json"
+    secrets.write_bytes(codec.dumps({NAMESPACE: [BENCH_SIGNING_SECRET]}))
+    quotas = directory / "quotas.json"
+    quotas.write_bytes(codec.dumps({NAMESPACE: UNREACHED_QUOTA}))
+    return {"CRONBUS_SIGNING_SECRETS_FILE": str(secrets), "CRONBUS_QUOTAS_FILE": str(quotas)}
 
 
 def herd_figures(
@@ -408,6 +430,8 @@ async def _with_services(args: argparse.Namespace, measure: Measure) -> dict[str
             with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
                 run = Run(found, Path(logs))
                 env = _service_env(args)
+                if getattr(args, "features", False):
+                    env |= feature_env(Path(logs))
                 run.start("dispatcher", args.dispatchers, env)
                 run.start("executor", args.executors, env)
                 run.start("sweeper", 1, env)
@@ -446,7 +470,8 @@ async def _herd_measured(
     before = await _redis_used_memory(found.redis_url)
     lead_s = args.lead_s if args.lead_s is not None else 5 + n / 8_000
     due_ms = (int((time.time() + lead_s) * 1000) // 1000 + 1) * 1000
-    imported, import_s = await _import(found, herd_lines(n, due_ms, f"{sink.url}/herd"))
+    rate_limit = UNREACHED_RATE_LIMIT if args.features else None
+    imported, import_s = await _import(found, herd_lines(n, due_ms, f"{sink.url}/herd", rate_limit))
     bytes_per = (await _redis_used_memory(found.redis_url) - before) / max(imported, 1)
     overlap = check_import(args, int(time.time() * 1000), due_ms)
     meter = _meter(run, sink)
@@ -797,6 +822,12 @@ def add_parser(sub: Any) -> None:
     herd = kinds.add_parser("herd", help="N schedules all due at one instant")
     herd.add_argument("--n", type=int, default=10_000)
     herd.add_argument("--timeout-s", type=float, default=300)
+    herd.add_argument(
+        "--features",
+        action="store_true",
+        help="with the features a herd may use and not be slowed by: a rate limit and a "
+        "fire rate quota it never reaches, and signed webhooks",
+    )
     herd.set_defaults(handler=run_herd)
     fairness = kinds.add_parser(
         "fairness",
@@ -841,6 +872,9 @@ def add_parser(sub: Any) -> None:
     from cronbus import bench_intake  # noqa: PLC0415 - it builds on this module
 
     intake = bench_intake.add_kind(kinds)
+    from cronbus import bench_drift  # noqa: PLC0415 - it builds on this module
+
+    drift = bench_drift.add_kind(kinds)
     for kind in (herd, steady):
         kind.add_argument(
             "--sink-url",
@@ -853,6 +887,7 @@ def add_parser(sub: Any) -> None:
             help="report a run whose import ran into the measured window, flagged, "
             "instead of refusing it",
         )
+    drift.add_argument("--json", action="store_true", help="one JSON line of figures")
     for kind in (herd, fairness, steady, rebuild, intake):
         kind.add_argument("--json", action="store_true", help="one JSON line of figures")
         kind.add_argument(

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from shared import codec, timefmt
+from shared import codec, keys, timefmt
 from shared.errors import StoreError
 from shared.models import MAX_PRIORITY
 from shared.sql import QUERIES
@@ -798,11 +798,20 @@ class Store:
                 after = (records[-1]["namespace"], records[-1]["id"])
             priority = await self.pool.fetchval(QUERIES["live_priority_below"], priority)
 
-    async def live_schedules_after(self, after: tuple[str, str], limit: int) -> list[LiveSchedule]:
-        """At most ``limit`` active or paused schedules whose key comes after ``after``
-        (``("", "")``: from the first), in key order."""
-        records = await self.pool.fetch(QUERIES["live_schedules_after"], *after, limit)
-        return [LiveSchedule.of(record) for record in records]
+    async def live_versions_after(
+        self, after: tuple[str, str], limit: int
+    ) -> list[tuple[str, str, int]]:
+        """(namespace, id, version) of at most ``limit`` active or paused schedules whose key
+        comes after ``after`` (``("", "")``: from the first), in key order."""
+        records = await self.pool.fetch(QUERIES["live_versions_after"], *after, limit)
+        return [(r["namespace"], r["id"], r["version"]) for r in records]
+
+    async def schedule_states(self, members: Sequence[tuple[str, str]]) -> dict[str, str]:
+        """``namespace/id`` -> state, for those of these schedules that have a row."""
+        records = await self.pool.fetch(
+            QUERIES["schedule_states"], [ns for ns, _ in members], [i for _, i in members]
+        )
+        return {keys.member(r["namespace"], r["id"]): r["state"] for r in records}
 
     async def changed_schedules(
         self, since_ms: int, batch: int

@@ -305,13 +305,32 @@ class Sweeper:
             self.settings.drift_full_interval_s,
             least=self.slice_min,
         )
-        rows = await self.store.live_schedules_after(self._rows_after, size)
+        versions = await self.store.live_versions_after(self._rows_after, size)
         repaired = 0
-        for start in range(0, len(rows), self.settings.rebuild_batch):
-            repaired += await self.reconcile(rows[start : start + self.settings.rebuild_batch])
+        batch = self.settings.rebuild_batch
+        for start in range(0, len(versions), batch):
+            # Versions first: whole rows are read (and decoded) only for the entries the index
+            # lacks or holds at an older version, which is nearly none of them.
+            behind = await self._behind(versions[start : start + batch])
+            if behind:
+                repaired += await self.reconcile(await self.store.schedule_versions(behind))
         # A short slice reached the end of the table: the next check starts over.
-        self._rows_after = (rows[-1].namespace, rows[-1].id) if len(rows) == size else ("", "")
+        self._rows_after = versions[-1][:2] if len(versions) == size else ("", "")
         return repaired + await self._orphans_slice(size)
+
+    async def _behind(self, versions: Sequence[tuple[str, str, int]]) -> list[tuple[str, str]]:
+        """Of these live rows, those whose index entry is missing or at an older version."""
+        stored = await self._stored_plans([(ns, i) for ns, i, _ in versions])
+        behind = []
+        for ns, i, version in versions:
+            plan = stored.get(keys.member(ns, i))
+            if plan is None or compact.version_of(plan) < version:
+                behind.append((ns, i))
+        return behind
+
+    def drift_sides_at_start(self) -> tuple[bool, bool]:
+        """Whether the full comparison's rows side, and its index side, start over next."""
+        return self._rows_after == ("", ""), self._entries_at == (0, 0)
 
     async def _index_entries(self) -> int:
         pipe = self.index.client.pipeline(transaction=False)
@@ -450,8 +469,8 @@ class Sweeper:
         if not members:
             return 0
         pairs = [keys.split_member(m)[:2] for m in members]
-        rows = await self.store.schedule_versions(pairs)
-        live = {keys.member(r.namespace, r.id) for r in rows if r.state != "deleted"}
+        states = await self.store.schedule_states(pairs)
+        live = {member for member, state in states.items() if state != "deleted"}
         orphans: list[tuple[str, int | None]] = [(m, seen[m]) for m in members if m not in live]
         if orphans:
             await self.index.remove({shard: orphans})

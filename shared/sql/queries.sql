@@ -208,16 +208,21 @@ WHERE state IN ('active', 'paused') AND priority = $1
 ORDER BY namespace, id
 LIMIT $4;
 
--- live_schedules_after --
--- The next slice of the schedules the index must hold, in key order after ($1, $2) (drift
--- repair's rolling full comparison; the primary key serves it, a slice at a time).
-SELECT namespace, id, version, state, compact, fires,
-       (extract(epoch FROM last_fire_at) * 1000)::bigint AS last_fire_ms,
-       (extract(epoch FROM next_fire_at) * 1000)::bigint AS next_fire_ms
+-- live_versions_after --
+-- The versions of the next slice of live schedules, in key order after ($1, $2): the full
+-- drift comparison reads whole rows only for the entries missing from the index or behind it.
+SELECT namespace, id, version
 FROM schedules
 WHERE (namespace, id) > ($1::text, $2::text) AND state IN ('active', 'paused')
 ORDER BY namespace, id
 LIMIT $3;
+
+-- schedule_states --
+-- The state of the given schedules (index entries without a live row are orphans).
+SELECT s.namespace, s.id, s.state
+FROM schedules s
+JOIN unnest($1::text[], $2::text[]) AS k(namespace, id)
+  ON s.namespace = k.namespace AND s.id = k.id;
 
 -- changed_schedules --
 -- Schedules a command changed since an instant (drift repair's recent window).

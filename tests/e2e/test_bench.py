@@ -8,7 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+import standardwebhooks
+
 from cronbus import benchcpu
+from cronbus.bench import BENCH_SIGNING_SECRET
 from cronbus.sink import Sink
 from tests.support import services
 
@@ -121,3 +124,27 @@ async def test_rebuild_restores_everything_while_the_first_rebuilt_keep_firing(
     assert figures["firing_expected"] >= firing, figures
     assert figures["firing_lost"] == 0, figures
     assert figures["firing_p99_ms"] >= 0
+
+
+async def test_herd_with_features_signs_every_delivery_and_loses_none(
+    endpoints: services.Endpoints,
+) -> None:
+    sink = Sink()
+    await sink.start()
+    try:
+        n = 300
+        code, out, err = await bench(
+            endpoints,
+            *("herd", "--n", str(n), "--features", "--sink-url", sink.url, "--lead-s", "3"),
+            *("--settle-s", "0.5", "--executors", "1", "--json"),
+        )
+    finally:
+        await sink.stop()
+    assert code == 0, err
+    assert json.loads(out)["lost"] == 0
+    # The rate limit and the quota held nothing back; every delivery was signed, as the
+    # Standard Webhooks package checks it.
+    assert len({(r.schedule, r.fire_time) for r in sink.received}) == n
+    verifier = standardwebhooks.Webhook(BENCH_SIGNING_SECRET)
+    for received in sink.received:
+        verifier.verify(received.body, received.headers, json_parse=False)

@@ -105,7 +105,7 @@ async def test_an_orphan_scan_racing_a_recreate_does_not_bury_the_new_schedule(
         )
     finally:
         await conn.close()
-    real = store.schedule_versions
+    real = store.schedule_states
     calls = 0
 
     async def read_then_recreate(pairs: Any) -> Any:
@@ -118,12 +118,12 @@ async def test_an_orphan_scan_racing_a_recreate_does_not_bury_the_new_schedule(
             await load(store, index, "sw", every("phoenix", 60))
         return rows
 
-    store.schedule_versions = read_then_recreate  # type: ignore[method-assign,assignment]
+    store.schedule_states = read_then_recreate  # type: ignore[method-assign,assignment]
     shard = index.shard_of("sw", "phoenix")
     try:
         await sweeper._remove_orphans(shard)
     finally:
-        del store.schedule_versions
+        del store.schedule_states
     row = await store.get_schedule("sw", "phoenix")
     assert row is not None and (row.state, row.version) == ("active", 3)
     # Drift repair (a full scan) and the tombstone trim run later, past the tombstone's age.

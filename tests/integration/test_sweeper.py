@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import time
 
@@ -14,6 +15,7 @@ from services.sweeper.sweeper import Sweeper
 from shared import bulk, codec, compact, db, keys, netpolicy, timefmt, validation
 from shared.config import SweeperSettings
 from shared.index import Index, Upsert
+from shared.plan import IntervalRule
 from shared.store import Checkpoint, PendingRun, Store
 from tests.conftest import SHARDS
 
@@ -373,3 +375,31 @@ async def test_index_entries_without_a_row_are_removed_slice_by_slice(
     for _ in range(SHARDS + 1):  # at most one shard's entries per slice here: a pass or more
         await sweeper.drift_slice()
     assert await members(index) == {"sw/kept"}
+
+
+async def test_a_slice_brings_an_entry_behind_its_row_up_to_the_row(
+    sweeper: Sweeper, index: Index, store: Store, database_url: str
+) -> None:
+    await load(store, index, every("ahead", 60), every("level", 60))
+    # PostgreSQL moved on to version 4 (every minute -> every 2 minutes); the index's write of
+    # it never landed. The other schedule is level with its row and must be left as it is.
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await store.get_schedule("sw", "ahead")
+        assert row is not None
+        plan = compact.decode(row.compact)
+        changed = compact.encode(dataclasses.replace(plan, rule=IntervalRule(120_000)))
+        await conn.execute(
+            "UPDATE schedules SET version = 4, compact = $1 WHERE id = 'ahead'",
+            compact.with_version(changed, 4),
+        )
+    finally:
+        await conn.close()
+    level_shard = index.shard_of("sw", "level")
+    level_before = await index.stored_plan(level_shard, "sw/level")
+
+    assert await sweeper.drift_slice() == 1
+    stored = await index.stored_plan(index.shard_of("sw", "ahead"), "sw/ahead")
+    assert stored is not None and compact.version_of(stored) == 4
+    assert compact.decode(stored).rule == IntervalRule(120_000)
+    assert await index.stored_plan(level_shard, "sw/level") == level_before
