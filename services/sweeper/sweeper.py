@@ -15,7 +15,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from redis.asyncio.lock import Lock
 
@@ -67,6 +67,28 @@ def _entry_of(row: LiveSchedule, now_ms: int) -> Upsert | None:
         row.next_fire_ms,
         now_ms,
     )
+
+
+@dataclasses.dataclass
+class RedisClock:
+    """The Redis clock, read again every ``REREAD_S`` and run forward on this host's
+    monotonic clock in between: a read per page would queue behind the write of the page
+    before it, in Redis's single thread, and undo the overlap of the two."""
+
+    REREAD_S: ClassVar[float] = 1.0
+    redis_ms: int
+    read_at: float
+
+    @classmethod
+    async def read(cls, sweeper: Sweeper) -> RedisClock:
+        return cls(await sweeper.redis_now_ms(), time.monotonic())
+
+    async def now_ms(self, sweeper: Sweeper) -> int:
+        elapsed = time.monotonic() - self.read_at
+        if elapsed >= self.REREAD_S:
+            self.redis_ms, self.read_at = await sweeper.redis_now_ms(), time.monotonic()
+            return self.redis_ms
+        return self.redis_ms + int(elapsed * 1000)
 
 
 class Sweeper:
@@ -229,16 +251,7 @@ class Sweeper:
         metrics.REBUILD_RUNNING.set(1)
         written = 0
         try:
-            pages = read_ahead(self.store.live_schedules(self.settings.rebuild_batch))
-            async with contextlib.aclosing(pages):
-                async for chunk in pages:
-                    written += await self._write_entries(chunk)
-                    metrics.REBUILD_PROGRESS.set(written)
-                    if written and written % 100_000 < len(chunk):
-                        log.info(
-                            "rebuild progress",
-                            extra={"action": "rebuild_progress", "schedules": written},
-                        )
+            written = await self._stream_into_index()
             await pending.restore_all(self.index, self.store, self.settings.rebuild_batch)
             await backfills.restore_all(self.index, self.store, self.settings.rebuild_batch)
             generation = await self.store.index_generation() + 1
@@ -261,13 +274,45 @@ class Sweeper:
         )
         return written
 
-    async def _write_entries(self, rows: Sequence[LiveSchedule]) -> int:
-        now = await self.redis_now_ms()
+    async def _stream_into_index(self) -> int:
+        """Every live row written to the index, a page at a time: the next page is read from
+        PostgreSQL and its entries worked out while Redis runs the previous page's write."""
+        clock = await RedisClock.read(self)
+        written = 0
+        writing: asyncio.Task[int] | None = None
+        pages = read_ahead(self.store.live_schedules(self.settings.rebuild_batch))
+        try:
+            async with contextlib.aclosing(pages):
+                async for chunk in pages:
+                    entries = self._entries(chunk, await clock.now_ms(self))
+                    if writing is not None:
+                        written += await writing
+                        self._rebuild_progress(written, len(chunk))
+                    writing = asyncio.create_task(self._write_grouped(entries))
+            if writing is not None:
+                written += await writing
+                writing = None
+        finally:
+            if writing is not None:
+                writing.cancel()
+                with contextlib.suppress(asyncio.CancelledError, *transient.ERRORS):
+                    await writing
+        return written
+
+    def _rebuild_progress(self, written: int, page: int) -> None:
+        metrics.REBUILD_PROGRESS.set(written)
+        if written and written % 100_000 < page:
+            log.info("rebuild progress", extra={"action": "rebuild_progress", "schedules": written})
+
+    def _entries(self, rows: Sequence[LiveSchedule], now: int) -> list[tuple[int, Upsert]]:
         entries = []
         for row in rows:
             entry = _entry_of(row, now)
             if entry is not None:
                 entries.append((self.index.shard_of(row.namespace, row.id), entry))
+        return entries
+
+    async def _write_grouped(self, entries: list[tuple[int, Upsert]]) -> int:
         if entries:
             await self.index.upsert(_group(entries))
         return len(entries)
