@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import os
 import time
+import uuid
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -158,7 +159,15 @@ async def import_lines(
     if result.imported >= ANALYZE_AFTER:
         # Fresh statistics, so plans fit the table's new size at once: autovacuum may be off,
         # or come by only after the services have planned with the old ones.
-        await _with_retries(store.analyze_schedules, "analyze")
+        try:
+            await _with_retries(store.analyze_schedules, "analyze")
+        except _RETRYABLE as exc:
+            # Every schedule is written by now: statistics that could not be gathered must
+            # not report the import as failed (autovacuum gathers them later).
+            log.warning(
+                "ANALYZE after the import failed; the import itself is complete",
+                extra={"action": "import_analyze_failed", "error": repr(exc)},
+            )
     return result
 
 
@@ -296,9 +305,18 @@ async def _write_batch(
 ) -> None:
     # The transaction is tried again as a whole (it rolled back); the index writes after it,
     # each its own retry, are fenced by version, so writing one twice changes nothing.
-    written = await _with_retries(
-        lambda: _write_rows(batch, namespace, store, index, now, app_id), "schedules"
-    )
+    # A connection lost during COMMIT leaves it unknown whether the transaction committed: the
+    # batch's audit row, under a message id of its own, tells. Tried again after it committed,
+    # the batch would bump every version once more and count what it created as replaced.
+    token = f"cronbus-import-{uuid.uuid4()}"
+    tries: list[_Written] = []
+
+    async def write() -> _Written:
+        if tries and await store.command_recorded(token):
+            return tries[-1]
+        return await _write_rows(batch, namespace, store, index, now, app_id, token, tries)
+
+    written = await _with_retries(write, "schedules")
     if written.upserts:
         await _with_retries(lambda: index.upsert(dict(written.upserts)), "index upserts")
     if written.removals:
@@ -318,6 +336,8 @@ async def _write_rows(
     index: Index,
     now: int,
     app_id: str | None,
+    token: str,
+    tries: list[_Written],
 ) -> _Written:
     written = _Written()
     rows: list[NewScheduleRow] = []
@@ -345,10 +365,13 @@ async def _write_rows(
                 outcome="ok",
                 body={"schedules": len(rows)},
                 app_id=app_id,
+                message_id=token,
             ),
             conn,
         )
-    written.rows = len(rows)
+        written.rows = len(rows)
+        # Kept before COMMIT: what the batch wrote if COMMIT succeeds but its reply is lost.
+        tries.append(written)
     return written
 
 

@@ -522,6 +522,10 @@ class Store:
                 QUERIES["lock_message_ids"], [ns for ns, _ in wanted], [m for _, m in wanted]
             )
 
+    async def command_recorded(self, message_id: str) -> bool:
+        """Whether a committed audit row carries ``message_id``."""
+        return bool(await self.pool.fetchval(QUERIES["command_recorded"], message_id))
+
     async def applied_commands(
         self, conn: Connection, members: Sequence[tuple[str, str]]
     ) -> dict[tuple[str, str], AppliedCommand]:

@@ -125,6 +125,10 @@ FROM commands
 WHERE message_id = ANY($1::text[]) AND outcome = 'ok' AND verb NOT IN ('get', 'list')
 ORDER BY namespace, message_id, seq DESC;
 
+-- command_recorded --
+-- Whether an audit row carries this message id (a bulk import's batch: did it commit?).
+SELECT EXISTS (SELECT 1 FROM commands WHERE message_id = $1);
+
 -- applied_command --
 -- The command last applied under a message id in a namespace (a redelivery is answered).
 SELECT verb, body, reply FROM commands
