@@ -39,6 +39,20 @@ SCAN_BATCH = 1000
 TOMBSTONE_KEEP_MS = 600_000
 #: How often tombstones are looked at (ms).
 TOMBSTONE_CHECK_MS = 60_000
+#: A rebuild's witness keys outlive any rebuild; an interrupted one's go by themselves.
+REBUILD_WITNESS_TTL_S = 7 * 86_400
+
+
+class IndexLostDuringRebuild(Exception):
+    """Redis lost data while a rebuild ran: what the rebuild wrote before may be gone, so the
+    index is not complete and the epoch must stay unset (the next check rebuilds again)."""
+
+
+#: What ends a rebuild early, to start over at the next check.
+_REBUILD_INTERRUPTIONS: tuple[type[BaseException], ...] = (
+    *transient.ERRORS,
+    IndexLostDuringRebuild,
+)
 
 
 def _group(entries: Iterable[tuple[int, Upsert]]) -> dict[int, list[Upsert]]:
@@ -203,7 +217,7 @@ class Sweeper:
         try:
             if not await self.index.client.get(self.index.keys.epoch):
                 await self.rebuild()
-        except transient.ERRORS as exc:
+        except _REBUILD_INTERRUPTIONS as exc:
             log.warning(
                 "rebuild interrupted; it will start over",
                 extra={"action": "rebuild_interrupted", "error": repr(exc)},
@@ -228,7 +242,9 @@ class Sweeper:
         )
         metrics.REBUILD_RUNNING.set(1)
         written = 0
+        token = uuid.uuid4().hex
         try:
+            await self._witness_rebuild(token)
             pages = read_ahead(self.store.live_schedules(self.settings.rebuild_batch))
             async with contextlib.aclosing(pages):
                 async for chunk in pages:
@@ -243,6 +259,11 @@ class Sweeper:
             await backfills.restore_all(self.index, self.store, self.settings.rebuild_batch)
             generation = await self.store.index_generation() + 1
             await self.index.client.set(self.index.keys.epoch, generation)
+            # Checked after the epoch is set: Redis losing data after the check takes the
+            # epoch with it, so a rebuild follows either way.
+            if not await self._rebuild_witnessed(token):
+                await self.index.client.delete(self.index.keys.epoch)
+                raise IndexLostDuringRebuild("Redis lost data while the rebuild ran")
             await self.store.advance_index_generation(generation)
         finally:
             metrics.REBUILD_RUNNING.set(0)
@@ -260,6 +281,23 @@ class Sweeper:
             },
         )
         return written
+
+    async def _witness_rebuild(self, token: str) -> None:
+        pipe = self.index.client.pipeline(transaction=False)
+        for shard in range(self.settings.shards):
+            pipe.set(self.index.keys.rebuild_witness(shard), token, ex=REBUILD_WITNESS_TTL_S)
+        await pipe.execute()
+
+    async def _rebuild_witnessed(self, token: str) -> bool:
+        """Whether every shard still holds this rebuild's token (none lost data since)."""
+        pipe = self.index.client.pipeline(transaction=False)
+        for shard in range(self.settings.shards):
+            pipe.get(self.index.keys.rebuild_witness(shard))
+        found = await pipe.execute()
+        return all(
+            value is not None and (value.decode() if isinstance(value, bytes) else value) == token
+            for value in found
+        )
 
     async def _write_entries(self, rows: Sequence[LiveSchedule]) -> int:
         now = await self.redis_now_ms()
