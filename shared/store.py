@@ -16,8 +16,10 @@ import asyncpg
 
 from shared import codec, keys, timefmt
 from shared.errors import StoreError
-from shared.models import MAX_PRIORITY
 from shared.sql import QUERIES
+
+#: Above every value of the integer column ``priority``: the rebuild's walk starts below it.
+ABOVE_ANY_PRIORITY = 2**31
 
 #: A connection, pooled or not.
 Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
@@ -788,7 +790,9 @@ class Store:
         which keeps vacuum and page pruning from the executors' checkpoint updates. A schedule a
         command changes meanwhile may be read at its newer version or, if its priority moved to
         one already read, not at all: the command wrote the index itself in both cases."""
-        priority = await self.pool.fetchval(QUERIES["live_priority_below"], MAX_PRIORITY + 1)
+        # From above any integer, not above MAX_PRIORITY: the column has no such bound, and a
+        # row written past it (by hand, or by a release with wider bounds) must be rebuilt too.
+        priority = await self.pool.fetchval(QUERIES["live_priority_below"], ABOVE_ANY_PRIORITY)
         while priority is not None:
             after = ("", "")
             while True:

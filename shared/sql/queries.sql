@@ -197,7 +197,7 @@ ANALYZE schedules;
 -- The highest priority under $1 that a live schedule has (the rebuild's stream walks the
 -- priorities down, one at a time; schedules_rebuild answers it from its first entry).
 SELECT max(priority) FROM schedules
-WHERE state IN ('active', 'paused') AND priority < $1;
+WHERE state IN ('active', 'paused') AND priority < $1::bigint;
 
 -- live_schedules_page --
 -- The next page of the live schedules at one priority, in key order after ($2, $3). A keyset
