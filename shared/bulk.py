@@ -253,6 +253,10 @@ def _fresh_placement(entry: Prepared) -> rotation.Placement:
     return rotation.Placement("active", "reset", entry.first_nominal, 0, None, new_rotation=True)
 
 
+class CreatedMeanwhile(Exception):
+    """A schedule of the batch was created by another transaction while the batch was placed."""
+
+
 #: Attempts at each write of a batch: a statement cancelled by its timeout while PostgreSQL
 #: checkpoints, or a moment without a connection, must not end an import hours long.
 WRITE_ATTEMPTS = 6
@@ -261,6 +265,7 @@ _RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.QueryCanceledError,
     asyncpg.DeadlockDetectedError,
     asyncpg.SerializationError,
+    CreatedMeanwhile,
 )
 
 
@@ -356,7 +361,12 @@ async def _write_rows(
                 written.earliest_fire_ms is None or upsert.next_fire_ms < written.earliest_fire_ms
             ):
                 written.earliest_fire_ms = upsert.next_fire_ms
-        await store.put_schedules(conn, rows)
+        if await store.put_schedules(conn, rows, fenced=True) < len(rows):
+            # A command created one of them after lock_schedules looked: written over at the
+            # version computed without it, both writes would share a version (the index keeps
+            # either, and drift repair, comparing versions, never sees it). Rolled back, the
+            # batch is placed again over what is there now.
+            raise CreatedMeanwhile(namespace)
         await store.record_command(
             CommandAudit(
                 namespace=namespace,

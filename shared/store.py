@@ -388,8 +388,12 @@ class Store:
         records = await conn.fetch(QUERIES["lock_schedules"], namespace, list(ids))
         return {record["id"]: ScheduleRow.of(record) for record in records}
 
-    async def put_schedules(self, conn: Connection, rows: Sequence[NewScheduleRow]) -> None:
-        """Create or replace many schedules: one COPY into a staging table, one statement."""
+    async def put_schedules(
+        self, conn: Connection, rows: Sequence[NewScheduleRow], *, fenced: bool = False
+    ) -> int:
+        """Create or replace many schedules: one COPY into a staging table, one statement.
+        Returns how many were written: ``fenced``, a row is replaced only from an older version
+        (a creation that raced the caller's look at the table is left as it is)."""
         await conn.execute(QUERIES["create_schedule_staging"])
         await conn.copy_records_to_table(
             "schedule_staging",
@@ -411,7 +415,8 @@ class Store:
                 for r in rows
             ],
         )
-        await conn.execute(QUERIES["put_staged_schedules"])
+        status = await conn.execute(QUERIES["put_staged_schedules"], fenced)
+        return int(status.rsplit(" ", 1)[-1])
 
     async def get_schedule(self, namespace: str, schedule_id: str) -> ScheduleRow | None:
         record = await self.pool.fetchrow(QUERIES["get_schedule"], namespace, schedule_id)

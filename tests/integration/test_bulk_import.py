@@ -245,3 +245,54 @@ async def test_an_analyze_that_fails_does_not_fail_the_import_it_follows(
         await holder.close()
         await admin.close()
     assert (result.imported, result.created, count) == (3, 3, 3)
+
+
+async def test_a_schedule_created_by_a_command_while_the_batch_runs_is_replaced_at_a_new_version(
+    database_url: str, index: Index
+) -> None:
+    store = await Store.open(database_url)
+    try:
+        await bulk.import_lines([line("model")], "imp", store, index, LOCAL, workers=1)
+    finally:
+        await store.close()
+    creator = await asyncpg.connect(database_url)
+    try:
+        # A command creating "raced" as the intake does: its key's lock, then the row, not yet
+        # committed when the import's batch looks for the rows it replaces.
+        creating = creator.transaction()
+        await creating.start()
+        await creator.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended('cronbus-schedule:' || $1, 0))",
+            "imp/raced",
+        )
+        await creator.execute(
+            "INSERT INTO schedules (namespace, id, version, state, definition, compact, fires, "
+            "next_fire_at, rotation_version) SELECT namespace, 'raced', version, state, "
+            "definition, compact, fires, next_fire_at, rotation_version FROM schedules "
+            "WHERE id = 'model'"
+        )
+        store = await Store.open(database_url)
+        try:
+            importing = asyncio.create_task(
+                bulk.import_lines(
+                    [line("raced", kind="interval", every_s=120)],
+                    "imp",
+                    store,
+                    index,
+                    LOCAL,
+                    workers=1,
+                )
+            )
+            await asyncio.sleep(0.5)
+            await creating.commit()
+            result = await asyncio.wait_for(importing, 30)
+        finally:
+            await store.close()
+        version = await creator.fetchval("SELECT version FROM schedules WHERE id = 'raced'")
+    finally:
+        await creator.close()
+    # Two writes of a schedule must not share a version: the index keeps the first it gets and
+    # takes the other for one already applied, and drift repair, which compares versions,
+    # never sees the difference.
+    assert version == 2
+    assert result.created == 0
