@@ -315,13 +315,10 @@ async def _write_batch(
     # the batch would bump every version once more and count what it created as replaced.
     token = f"cronbus-import-{uuid.uuid4()}"
     tries: list[_Written] = []
-
-    async def write() -> _Written:
-        if tries and await store.command_recorded(token):
-            return tries[-1]
-        return await _write_rows(batch, namespace, store, index, now, app_id, token, tries)
-
-    written = await _with_retries(write, "schedules")
+    written = await _with_retries(
+        lambda: _write_rows(batch, namespace, store, index, now, app_id, token, tries),
+        "schedules",
+    )
     if written.upserts:
         await _with_retries(lambda: index.upsert(dict(written.upserts)), "index upserts")
     if written.removals:
@@ -348,6 +345,10 @@ async def _write_rows(
     rows: list[NewScheduleRow] = []
     async with store.transaction() as conn:
         existing = await store.lock_schedules(conn, namespace, [p.id for p in batch])
+        # Asked with the rows locked: a previous try still committing on the server (its
+        # client gone) holds them until it ends, so its audit row is visible by now if it did.
+        if tries and await store.command_recorded(token, conn):
+            return tries[-1]
         for entry in batch:
             row, upsert, created = _placed(entry, existing.get(entry.id), namespace, now)
             rows.append(row)

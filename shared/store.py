@@ -529,9 +529,10 @@ class Store:
                 QUERIES["lock_message_ids"], [ns for ns, _ in wanted], [m for _, m in wanted]
             )
 
-    async def command_recorded(self, message_id: str) -> bool:
+    async def command_recorded(self, message_id: str, conn: Connection | None = None) -> bool:
         """Whether a committed audit row carries ``message_id``."""
-        return bool(await self.pool.fetchval(QUERIES["command_recorded"], message_id))
+        target: Any = conn if conn is not None else self.pool
+        return bool(await target.fetchval(QUERIES["command_recorded"], message_id))
 
     async def applied_commands(
         self, conn: Connection, members: Sequence[tuple[str, str]]
