@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import os
 import time
+import uuid
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -158,7 +159,15 @@ async def import_lines(
     if result.imported >= ANALYZE_AFTER:
         # Fresh statistics, so plans fit the table's new size at once: autovacuum may be off,
         # or come by only after the services have planned with the old ones.
-        await _with_retries(store.analyze_schedules, "analyze")
+        try:
+            await _with_retries(store.analyze_schedules, "analyze")
+        except _RETRYABLE as exc:
+            # Every schedule is written by now: statistics that could not be gathered must
+            # not report the import as failed (autovacuum gathers them later).
+            log.warning(
+                "ANALYZE after the import failed; the import itself is complete",
+                extra={"action": "import_analyze_failed", "error": repr(exc)},
+            )
     return result
 
 
@@ -244,6 +253,10 @@ def _fresh_placement(entry: Prepared) -> rotation.Placement:
     return rotation.Placement("active", "reset", entry.first_nominal, 0, None, new_rotation=True)
 
 
+class CreatedMeanwhile(Exception):
+    """A schedule of the batch was created by another transaction while the batch was placed."""
+
+
 #: Attempts at each write of a batch: a statement cancelled by its timeout while PostgreSQL
 #: checkpoints, or a moment without a connection, must not end an import hours long.
 WRITE_ATTEMPTS = 6
@@ -252,6 +265,7 @@ _RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.QueryCanceledError,
     asyncpg.DeadlockDetectedError,
     asyncpg.SerializationError,
+    CreatedMeanwhile,
 )
 
 
@@ -296,8 +310,14 @@ async def _write_batch(
 ) -> None:
     # The transaction is tried again as a whole (it rolled back); the index writes after it,
     # each its own retry, are fenced by version, so writing one twice changes nothing.
+    # A connection lost during COMMIT leaves it unknown whether the transaction committed: the
+    # batch's audit row, under a message id of its own, tells. Tried again after it committed,
+    # the batch would bump every version once more and count what it created as replaced.
+    token = f"cronbus-import-{uuid.uuid4()}"
+    tries: list[_Written] = []
     written = await _with_retries(
-        lambda: _write_rows(batch, namespace, store, index, now, app_id), "schedules"
+        lambda: _write_rows(batch, namespace, store, index, now, app_id, token, tries),
+        "schedules",
     )
     if written.upserts:
         await _with_retries(lambda: index.upsert(dict(written.upserts)), "index upserts")
@@ -318,11 +338,17 @@ async def _write_rows(
     index: Index,
     now: int,
     app_id: str | None,
+    token: str,
+    tries: list[_Written],
 ) -> _Written:
     written = _Written()
     rows: list[NewScheduleRow] = []
     async with store.transaction() as conn:
         existing = await store.lock_schedules(conn, namespace, [p.id for p in batch])
+        # Asked with the rows locked: a previous try still committing on the server (its
+        # client gone) holds them until it ends, so its audit row is visible by now if it did.
+        if tries and await store.command_recorded(token, conn):
+            return tries[-1]
         for entry in batch:
             row, upsert, created = _placed(entry, existing.get(entry.id), namespace, now)
             rows.append(row)
@@ -336,7 +362,12 @@ async def _write_rows(
                 written.earliest_fire_ms is None or upsert.next_fire_ms < written.earliest_fire_ms
             ):
                 written.earliest_fire_ms = upsert.next_fire_ms
-        await store.put_schedules(conn, rows)
+        if await store.put_schedules(conn, rows, fenced=True) < len(rows):
+            # A command created one of them after lock_schedules looked: written over at the
+            # version computed without it, both writes would share a version (the index keeps
+            # either, and drift repair, comparing versions, never sees it). Rolled back, the
+            # batch is placed again over what is there now.
+            raise CreatedMeanwhile(namespace)
         await store.record_command(
             CommandAudit(
                 namespace=namespace,
@@ -345,10 +376,13 @@ async def _write_rows(
                 outcome="ok",
                 body={"schedules": len(rows)},
                 app_id=app_id,
+                message_id=token,
             ),
             conn,
         )
-    written.rows = len(rows)
+        written.rows = len(rows)
+        # Kept before COMMIT: what the batch wrote if COMMIT succeeds but its reply is lost.
+        tries.append(written)
     return written
 
 

@@ -91,6 +91,11 @@ class RedisKeys:
         brings them back, and a finished one is not restarted by a continuing write."""
         return f"{self.prefix}:{{{shard}}}:gone"
 
+    def rebuild_witness(self, shard: int) -> str:
+        """STRING: the running rebuild's token, set in every shard as it starts. Missing (or
+        another's) when it ends, Redis lost data meanwhile: what it wrote before may be gone."""
+        return f"{self.prefix}:{{{shard}}}:rebuilding"
+
     def backfill(self, shard: int) -> str:
         """HASH ``ns/id`` -> ``generation|to_ms|remaining|start|paused``: the schedule's running
         backfill (see ``lua/backfill.lua``); its current occurrence is the member ``ns/id#b``."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TypeVar
 
@@ -46,8 +45,9 @@ async def read_ahead(source: AsyncIterator[T], depth: int = 1) -> AsyncGenerator
             yield item
     finally:
         fetching.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await fetching
+        # Waited for without awaiting it: its cancellation would look like the caller's own,
+        # and a caller cancelled meanwhile (a shutdown) would go on as if it had not been.
+        await asyncio.wait([fetching])
         close = getattr(source, "aclose", None)
         if close is not None:
             await close()

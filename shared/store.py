@@ -16,8 +16,10 @@ import asyncpg
 
 from shared import codec, keys, timefmt
 from shared.errors import StoreError
-from shared.models import MAX_PRIORITY
 from shared.sql import QUERIES
+
+#: Above every value of the integer column ``priority``: the rebuild's walk starts below it.
+ABOVE_ANY_PRIORITY = 2**31
 
 #: A connection, pooled or not.
 Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
@@ -386,8 +388,12 @@ class Store:
         records = await conn.fetch(QUERIES["lock_schedules"], namespace, list(ids))
         return {record["id"]: ScheduleRow.of(record) for record in records}
 
-    async def put_schedules(self, conn: Connection, rows: Sequence[NewScheduleRow]) -> None:
-        """Create or replace many schedules: one COPY into a staging table, one statement."""
+    async def put_schedules(
+        self, conn: Connection, rows: Sequence[NewScheduleRow], *, fenced: bool = False
+    ) -> int:
+        """Create or replace many schedules: one COPY into a staging table, one statement.
+        Returns how many were written: ``fenced``, a row is replaced only from an older version
+        (a creation that raced the caller's look at the table is left as it is)."""
         await conn.execute(QUERIES["create_schedule_staging"])
         await conn.copy_records_to_table(
             "schedule_staging",
@@ -409,7 +415,8 @@ class Store:
                 for r in rows
             ],
         )
-        await conn.execute(QUERIES["put_staged_schedules"])
+        status = await conn.execute(QUERIES["put_staged_schedules"], fenced)
+        return int(status.rsplit(" ", 1)[-1])
 
     async def get_schedule(self, namespace: str, schedule_id: str) -> ScheduleRow | None:
         record = await self.pool.fetchrow(QUERIES["get_schedule"], namespace, schedule_id)
@@ -521,6 +528,11 @@ class Store:
             await conn.execute(
                 QUERIES["lock_message_ids"], [ns for ns, _ in wanted], [m for _, m in wanted]
             )
+
+    async def command_recorded(self, message_id: str, conn: Connection | None = None) -> bool:
+        """Whether a committed audit row carries ``message_id``."""
+        target: Any = conn if conn is not None else self.pool
+        return bool(await target.fetchval(QUERIES["command_recorded"], message_id))
 
     async def applied_commands(
         self, conn: Connection, members: Sequence[tuple[str, str]]
@@ -784,7 +796,9 @@ class Store:
         which keeps vacuum and page pruning from the executors' checkpoint updates. A schedule a
         command changes meanwhile may be read at its newer version or, if its priority moved to
         one already read, not at all: the command wrote the index itself in both cases."""
-        priority = await self.pool.fetchval(QUERIES["live_priority_below"], MAX_PRIORITY + 1)
+        # From above any integer, not above MAX_PRIORITY: the column has no such bound, and a
+        # row written past it (by hand, or by a release with wider bounds) must be rebuilt too.
+        priority = await self.pool.fetchval(QUERIES["live_priority_below"], ABOVE_ANY_PRIORITY)
         while priority is not None:
             after = ("", "")
             while True:

@@ -13,7 +13,7 @@ import datetime as dt
 import logging
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -39,6 +39,20 @@ SCAN_BATCH = 1000
 TOMBSTONE_KEEP_MS = 600_000
 #: How often tombstones are looked at (ms).
 TOMBSTONE_CHECK_MS = 60_000
+#: A rebuild's witness keys outlive any rebuild; an interrupted one's go by themselves.
+REBUILD_WITNESS_TTL_S = 7 * 86_400
+
+
+class IndexLostDuringRebuild(Exception):
+    """Redis lost data while a rebuild ran: what the rebuild wrote before may be gone, so the
+    index is not complete and the epoch must stay unset (the next check rebuilds again)."""
+
+
+#: What ends a rebuild early, to start over at the next check.
+_REBUILD_INTERRUPTIONS: tuple[type[BaseException], ...] = (
+    *transient.ERRORS,
+    IndexLostDuringRebuild,
+)
 
 
 def _group(entries: Iterable[tuple[int, Upsert]]) -> dict[int, list[Upsert]]:
@@ -54,6 +68,22 @@ def _finished_checkpoint(row: LiveSchedule) -> Checkpoint:
     return Checkpoint(
         row.namespace, row.id, last or 0, None, row.fires + 1, finished=True, version=row.version
     )
+
+
+async def _cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Stop these tasks; the error being raised, if any, is the one that matters.
+
+    asyncio.wait rather than an await of each: a cancellation of the caller meanwhile must
+    not be taken for theirs and swallowed."""
+    running = list(tasks)
+    if not running:
+        return
+    for task in running:
+        task.cancel()
+    await asyncio.wait(running)
+    for task in running:
+        if not task.cancelled():
+            task.exception()  # retrieved, so asyncio does not report it as lost
 
 
 def _entry_of(row: LiveSchedule, now_ms: int) -> Upsert | None:
@@ -225,7 +255,7 @@ class Sweeper:
         try:
             if not await self.index.client.get(self.index.keys.epoch):
                 await self.rebuild()
-        except transient.ERRORS as exc:
+        except _REBUILD_INTERRUPTIONS as exc:
             log.warning(
                 "rebuild interrupted; it will start over",
                 extra={"action": "rebuild_interrupted", "error": repr(exc)},
@@ -250,12 +280,19 @@ class Sweeper:
         )
         metrics.REBUILD_RUNNING.set(1)
         written = 0
+        token = uuid.uuid4().hex
         try:
+            await self._witness_rebuild(token)
             written = await self._stream_into_index()
             await pending.restore_all(self.index, self.store, self.settings.rebuild_batch)
             await backfills.restore_all(self.index, self.store, self.settings.rebuild_batch)
             generation = await self.store.index_generation() + 1
             await self.index.client.set(self.index.keys.epoch, generation)
+            # Checked after the epoch is set: Redis losing data after the check takes the
+            # epoch with it, so a rebuild follows either way.
+            if not await self._rebuild_witnessed(token):
+                await self.index.client.delete(self.index.keys.epoch)
+                raise IndexLostDuringRebuild("Redis lost data while the rebuild ran")
             await self.store.advance_index_generation(generation)
         finally:
             metrics.REBUILD_RUNNING.set(0)
@@ -274,29 +311,43 @@ class Sweeper:
         )
         return written
 
+    async def _witness_rebuild(self, token: str) -> None:
+        pipe = self.index.client.pipeline(transaction=False)
+        for shard in range(self.settings.shards):
+            pipe.set(self.index.keys.rebuild_witness(shard), token, ex=REBUILD_WITNESS_TTL_S)
+        await pipe.execute()
+
+    async def _rebuild_witnessed(self, token: str) -> bool:
+        """Whether every shard still holds this rebuild's token (none lost data since)."""
+        pipe = self.index.client.pipeline(transaction=False)
+        for shard in range(self.settings.shards):
+            pipe.get(self.index.keys.rebuild_witness(shard))
+        found = await pipe.execute()
+        return all(
+            value is not None and (value.decode() if isinstance(value, bytes) else value) == token
+            for value in found
+        )
+
     async def _stream_into_index(self) -> int:
         """Every live row written to the index, a page at a time: the next page is read from
         PostgreSQL and its entries worked out while Redis runs the previous page's write."""
         clock = await RedisClock.read(self)
         written = 0
-        writing: asyncio.Task[int] | None = None
+        # Each page's write starts before the previous one is awaited: two pages in flight.
+        in_flight: deque[asyncio.Task[int]] = deque()
         pages = read_ahead(self.store.live_schedules(self.settings.rebuild_batch))
         try:
             async with contextlib.aclosing(pages):
                 async for chunk in pages:
-                    entries = self._entries(chunk, await clock.now_ms(self))
-                    if writing is not None:
-                        written += await writing
+                    now = await clock.now_ms(self)
+                    in_flight.append(asyncio.create_task(self._write_entries(chunk, now)))
+                    if len(in_flight) > 1:
+                        written += await in_flight.popleft()
                         self._rebuild_progress(written, len(chunk))
-                    writing = asyncio.create_task(self._write_grouped(entries))
-            if writing is not None:
-                written += await writing
-                writing = None
+            while in_flight:
+                written += await in_flight.popleft()
         finally:
-            if writing is not None:
-                writing.cancel()
-                with contextlib.suppress(asyncio.CancelledError, *transient.ERRORS):
-                    await writing
+            await _cancel_all(in_flight)
         return written
 
     def _rebuild_progress(self, written: int, page: int) -> None:
@@ -304,15 +355,13 @@ class Sweeper:
         if written and written % 100_000 < page:
             log.info("rebuild progress", extra={"action": "rebuild_progress", "schedules": written})
 
-    def _entries(self, rows: Sequence[LiveSchedule], now: int) -> list[tuple[int, Upsert]]:
+    async def _write_entries(self, rows: Sequence[LiveSchedule], now: int) -> int:
+        """One page of rows written to the index, as of ``now`` (the Redis clock)."""
         entries = []
         for row in rows:
             entry = _entry_of(row, now)
             if entry is not None:
                 entries.append((self.index.shard_of(row.namespace, row.id), entry))
-        return entries
-
-    async def _write_grouped(self, entries: list[tuple[int, Upsert]]) -> int:
         if entries:
             await self.index.upsert(_group(entries))
         return len(entries)

@@ -125,6 +125,10 @@ FROM commands
 WHERE message_id = ANY($1::text[]) AND outcome = 'ok' AND verb NOT IN ('get', 'list')
 ORDER BY namespace, message_id, seq DESC;
 
+-- command_recorded --
+-- Whether an audit row carries this message id (a bulk import's batch: did it commit?).
+SELECT EXISTS (SELECT 1 FROM commands WHERE message_id = $1);
+
 -- applied_command --
 -- The command last applied under a message id in a namespace (a redelivery is answered).
 SELECT verb, body, reply FROM commands
@@ -193,7 +197,7 @@ ANALYZE schedules;
 -- The highest priority under $1 that a live schedule has (the rebuild's stream walks the
 -- priorities down, one at a time; schedules_rebuild answers it from its first entry).
 SELECT max(priority) FROM schedules
-WHERE state IN ('active', 'paused') AND priority < $1;
+WHERE state IN ('active', 'paused') AND priority < $1::bigint;
 
 -- live_schedules_page --
 -- The next page of the live schedules at one priority, in key order after ($2, $3). A keyset
@@ -258,7 +262,10 @@ CREATE TEMPORARY TABLE IF NOT EXISTS schedule_staging (
 ) ON COMMIT DELETE ROWS;
 
 -- put_staged_schedules --
--- Create or replace every staged schedule at the version the importer computed.
+-- Create or replace every staged schedule at the version the importer computed. With $1
+-- (fenced), a row is replaced only from an older version: one another transaction created
+-- after the importer looked (its lock covers rows that exist, not rows yet to come) is left
+-- alone, and the caller, which counts the rows written, tries again.
 INSERT INTO schedules AS s (namespace, id, version, state, definition, compact, priority,
                             labels, fires, last_fire_at, next_fire_at, rotation_version)
 SELECT namespace, id, version, state, definition::jsonb, compact, priority, labels::jsonb,
@@ -271,7 +278,8 @@ SET version = EXCLUDED.version, state = EXCLUDED.state, definition = EXCLUDED.de
     fires = EXCLUDED.fires, last_fire_at = EXCLUDED.last_fire_at,
     next_fire_at = EXCLUDED.next_fire_at,
     rotation_version = COALESCE(EXCLUDED.rotation_version, s.rotation_version), updated_at = now(),
-    created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END;
+    created_at = CASE WHEN s.state = 'deleted' THEN now() ELSE s.created_at END
+WHERE NOT $1::boolean OR s.version < EXCLUDED.version;
 
 -- write_stats --
 -- A batch of per-schedule stats deltas folded from execution rows (one statement per batch).

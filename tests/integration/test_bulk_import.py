@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -130,3 +131,168 @@ async def test_a_batch_cancelled_by_the_statement_timeout_is_written_on_a_later_
     }
     retries = [r for r in caplog.records if getattr(r, "action", None) == "import_retry"]
     assert retries and "QueryCanceled" in getattr(retries[0], "error", ""), caplog.records
+
+
+class CommitReplyCutter:
+    """A TCP relay to PostgreSQL that, once armed, closes the client's connection in place of
+    passing on the server's reply to a COMMIT: the transaction committed, the client cannot
+    tell (as when the network fails at that moment)."""
+
+    #: CommandComplete with the tag COMMIT, as the server sends it.
+    COMMITTED = b"C\x00\x00\x00\x0bCOMMIT\x00"
+
+    def __init__(self, database_url: str) -> None:
+        parts = urlsplit(database_url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 5432
+        self.database_url = database_url
+        self.armed = False
+        self.cuts = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        """The URL of the database through the relay (plain text, so the reply can be seen)."""
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        parts = urlsplit(self.database_url)
+        netloc = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+        query = "&".join(q for q in (parts.query, "sslmode=disable") if q)
+        return urlunsplit((parts.scheme, f"{netloc}127.0.0.1:{port}", parts.path, query, ""))
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def _serve(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
+        server, to_server = await asyncio.open_connection(self.host, self.port)
+
+        async def pipe(
+            source: asyncio.StreamReader, sink: asyncio.StreamWriter, replies: bool
+        ) -> None:
+            try:
+                while data := await source.read(65536):
+                    if replies and self.armed and self.COMMITTED in data:
+                        self.armed = False
+                        self.cuts += 1
+                        return
+                    sink.write(data)
+                    await sink.drain()
+            except OSError:
+                pass
+            finally:
+                to_client.close()
+                to_server.close()
+
+        await asyncio.gather(pipe(client, to_server, False), pipe(server, to_client, True))
+
+
+async def test_a_batch_whose_commit_reply_was_lost_is_not_written_again(
+    database_url: str, index: Index
+) -> None:
+    cutter = CommitReplyCutter(database_url)
+    relayed = await cutter.start()
+    store = await Store.open(relayed)
+    try:
+        cutter.armed = True
+        result = await bulk.import_lines(
+            [line(f"s{i}") for i in range(5)], "imp", store, index, LOCAL, workers=1
+        )
+    finally:
+        await store.close()
+        await cutter.stop()
+    assert cutter.cuts == 1, "the relay never saw the batch's COMMIT"
+    admin = await asyncpg.connect(database_url)
+    try:
+        rows = await admin.fetch("SELECT id, version FROM schedules ORDER BY id")
+        audits = await admin.fetchval("SELECT count(*) FROM commands WHERE verb = 'import'")
+    finally:
+        await admin.close()
+    # Five schedules created once: the retry found the batch committed and wrote it no more.
+    assert (result.imported, result.created) == (5, 5)
+    assert {r["id"]: r["version"] for r in rows} == {f"s{i}": 1 for i in range(5)}
+    assert audits == 1
+    for i in range(5):
+        shard = index.shard_of("imp", f"s{i}")
+        assert await index.client.hexists(index.keys.sched(shard), f"imp/s{i}")
+
+
+async def test_an_analyze_that_fails_does_not_fail_the_import_it_follows(
+    database_url: str, index: Index, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bulk, "ANALYZE_AFTER", 3)
+    monkeypatch.setattr(bulk, "WRITE_ATTEMPTS", 2)
+    admin = await asyncpg.connect(database_url)
+    holder = await asyncpg.connect(database_url)
+    try:
+        await admin.execute(
+            f'ALTER DATABASE "{await admin.fetchval("SELECT current_database()")}" '
+            "SET statement_timeout = 300"
+        )
+        # A lock ANALYZE waits for (as behind a long VACUUM): its statement times out.
+        held = holder.transaction()
+        await held.start()
+        await holder.execute("LOCK TABLE schedules IN SHARE UPDATE EXCLUSIVE MODE")
+        store = await Store.open(database_url)
+        try:
+            result = await bulk.import_lines(
+                [line(f"s{i}") for i in range(3)], "imp", store, index, LOCAL, workers=1
+            )
+        finally:
+            await store.close()
+            await held.rollback()
+        count = await admin.fetchval("SELECT count(*) FROM schedules")
+    finally:
+        await holder.close()
+        await admin.close()
+    assert (result.imported, result.created, count) == (3, 3, 3)
+
+
+async def test_a_schedule_created_by_a_command_while_the_batch_runs_is_replaced_at_a_new_version(
+    database_url: str, index: Index
+) -> None:
+    store = await Store.open(database_url)
+    try:
+        await bulk.import_lines([line("model")], "imp", store, index, LOCAL, workers=1)
+    finally:
+        await store.close()
+    creator = await asyncpg.connect(database_url)
+    try:
+        # A command creating "raced" as the intake does: its key's lock, then the row, not yet
+        # committed when the import's batch looks for the rows it replaces.
+        creating = creator.transaction()
+        await creating.start()
+        await creator.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended('cronbus-schedule:' || $1, 0))",
+            "imp/raced",
+        )
+        await creator.execute(
+            "INSERT INTO schedules (namespace, id, version, state, definition, compact, fires, "
+            "next_fire_at, rotation_version) SELECT namespace, 'raced', version, state, "
+            "definition, compact, fires, next_fire_at, rotation_version FROM schedules "
+            "WHERE id = 'model'"
+        )
+        store = await Store.open(database_url)
+        try:
+            importing = asyncio.create_task(
+                bulk.import_lines(
+                    [line("raced", kind="interval", every_s=120)],
+                    "imp",
+                    store,
+                    index,
+                    LOCAL,
+                    workers=1,
+                )
+            )
+            await asyncio.sleep(0.5)
+            await creating.commit()
+            result = await asyncio.wait_for(importing, 30)
+        finally:
+            await store.close()
+        version = await creator.fetchval("SELECT version FROM schedules WHERE id = 'raced'")
+    finally:
+        await creator.close()
+    # Two writes of a schedule must not share a version: the index keeps the first it gets and
+    # takes the other for one already applied, and drift repair, which compares versions,
+    # never sees the difference.
+    assert version == 2
+    assert result.created == 0

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
+import asyncpg
 import pytest
 
-from shared import bulk, codec, netpolicy, validation
+from shared import bulk, codec, db, netpolicy, validation
 from shared.index import Index
 from shared.models import MAX_PRIORITY
 from shared.sql import QUERIES
-from shared.store import Connection, Store
+from shared.store import ABOVE_ANY_PRIORITY, Connection, Store
+from tests.support import services
 
 LOCAL = validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK)
 
@@ -81,8 +84,76 @@ async def test_each_page_is_read_in_order_from_the_index_even_without_statistics
     async with store.pool.acquire() as conn:
         whole = await plan(conn, WHOLE_TABLE)
         page = await plan(conn, QUERIES["live_schedules_page"], 1, "ns3", "s500", 1000)
-        top = await plan(conn, QUERIES["live_priority_below"], MAX_PRIORITY + 1)
+        top = await plan(conn, QUERIES["live_priority_below"], ABOVE_ANY_PRIORITY)
     # The set-up reproduces what went wrong: this is the plan the stream no longer uses.
     assert '"Sort"' in whole, whole
     for query_plan in (page, top):
         assert '"Sort"' not in query_plan and "schedules_rebuild" in query_plan, query_plan
+
+
+async def test_a_row_past_the_model_s_priority_bounds_is_streamed_too(store: Store) -> None:
+    # The column has no bound of its own: a row written by hand, or by a release whose bounds
+    # were wider, is live all the same, and a rebuild that skipped it would never fire it.
+    async with store.transaction() as conn:
+        await conn.execute(
+            "INSERT INTO schedules (namespace, id, version, state, definition, compact, priority) "
+            "VALUES ('ns', 'high', 1, 'active', '{}', '\\x00', $1), "
+            "('ns', 'low', 1, 'active', '{}', '\\x00', $2), "
+            "('ns', 'mid', 1, 'active', '{}', '\\x00', 0)",
+            MAX_PRIORITY + 1,
+            -MAX_PRIORITY - 1,
+        )
+    streamed = [s.id async for chunk in store.live_schedules(10) for s in chunk]
+    assert streamed == ["high", "mid", "low"]
+
+
+#: Keys whose order under a linguistic collation is not their code point order.
+ODD_KEYS = [
+    (ns, i)
+    for ns in ("a-b", "ab", "a_b", "b")
+    for i in ("a", "A", "a-b", "a.b", "a:b", "a@b", "a_b", "ab", "a-", "B", "b", "1", "a1", "Z-z")
+]
+
+
+@pytest.fixture
+async def icu_store(endpoints: services.Endpoints) -> AsyncIterator[Store]:
+    """A store whose database sorts text by the ICU en-US collation (not C, as the tests'
+    databases do), as a server initialised with a language's locale would."""
+    name = services.unique("cronbus_icu_")
+    admin = await asyncpg.connect(endpoints.database_url)
+    try:
+        if not await admin.fetchval("SELECT 1 FROM pg_collation WHERE collprovider = 'i'"):
+            pytest.skip("this PostgreSQL has no ICU collations")
+        await admin.execute(
+            f'CREATE DATABASE "{name}" TEMPLATE template0 LOCALE_PROVIDER icu '
+            "ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'"
+        )
+        url = services.with_database(endpoints.database_url, name)
+        await db.migrate(url)
+        store = await Store.open(url)
+        try:
+            yield store
+        finally:
+            await store.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5])
+async def test_pages_under_a_linguistic_collation_neither_skip_nor_repeat(
+    icu_store: Store, batch: int
+) -> None:
+    async with icu_store.transaction() as conn:
+        await conn.executemany(
+            "INSERT INTO schedules (namespace, id, version, state, definition, compact, priority) "
+            "VALUES ($1, $2, 1, 'active', '{}', '\\x00', $3)",
+            [(ns, i, n % 2) for n, (ns, i) in enumerate(ODD_KEYS)],
+        )
+        whole = [(r["namespace"], r["id"]) for r in await conn.fetch(WHOLE_TABLE)]
+    streamed = [
+        (s.namespace, s.id) async for chunk in icu_store.live_schedules(batch) for s in chunk
+    ]
+    # The database's order, not Python's: the collation puts "a" before "A" before "a-b".
+    assert [k for k in whole if k[0] == "a-b"][:3] != sorted(k for k in whole if k[0] == "a-b")[:3]
+    assert streamed == whole

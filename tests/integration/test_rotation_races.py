@@ -238,7 +238,7 @@ async def test_a_long_rebuild_does_not_bring_back_a_schedule_deleted_while_it_ra
     real = rebuilder._write_entries
     chunks = 0
 
-    async def delete_while_streaming(rows: Any) -> int:
+    async def delete_while_streaming(rows: Any, now: int) -> int:
         nonlocal chunks
         chunks += 1
         if chunks == 1:
@@ -255,7 +255,7 @@ async def test_a_long_rebuild_does_not_bring_back_a_schedule_deleted_while_it_ra
             shard = index.shard_of("sw", "doomed")
             await index.remove({shard: [("sw/doomed", version)]})
             await trimmer.trim_tombstones()
-        return await real(rows)
+        return await real(rows, now)
 
     rebuilder._write_entries = delete_while_streaming  # type: ignore[method-assign]
     await rebuilder.rebuild()

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import time
+from typing import Any
 
 import asyncpg
 import pytest
@@ -229,7 +230,7 @@ async def test_a_delete_wins_over_a_rebuild_that_read_the_schedule_before(
     # The delete lands (PostgreSQL, then the index) after the rebuild read the row.
     shard = index.shard_of("sw", "raced")
     assert await index.remove({shard: [("sw/raced", row.version + 1)]}) == {shard: [1]}
-    await sweeper._write_entries([row])
+    await sweeper._write_entries([row], await sweeper.redis_now_ms())
     assert await members(index) == set()
     assert await index.position(shard, "sw/raced") == (None, None, None)
 
@@ -403,3 +404,42 @@ async def test_a_slice_brings_an_entry_behind_its_row_up_to_the_row(
     assert stored is not None and compact.version_of(stored) == 4
     assert compact.decode(stored).rule == IntervalRule(120_000)
     assert await index.stored_plan(level_shard, "sw/level") == level_before
+
+
+async def test_a_rebuild_across_which_redis_lost_data_again_is_followed_by_another(
+    index: Index, store: Store, redis_prefix: str, database_url: str
+) -> None:
+    settings = SweeperSettings(
+        redis_prefix=redis_prefix, shards=SHARDS, database_url=database_url, rebuild_batch=1
+    )
+    rebuilder = Sweeper(settings, index, store, asyncio.Event())
+    await load(store, index, every("first", 60, priority=5), every("second", 60))
+
+    async def lose_everything() -> None:
+        async for key in index.client.scan_iter(match=f"{index.keys.prefix}:*"):
+            await index.client.delete(key)
+
+    await lose_everything()
+    real = rebuilder._write_entries
+    pages = 0
+
+    async def lose_again_after_the_first_page(rows: Any, now: int) -> int:
+        nonlocal pages
+        pages += 1
+        written = await real(rows, now)
+        if pages == 1:
+            await lose_everything()  # Redis restarted empty between two pages
+        return written
+
+    rebuilder._write_entries = lose_again_after_the_first_page  # type: ignore[method-assign]
+    await rebuilder.check_epoch()
+    assert rebuilder.rebuilding is not None
+    await rebuilder.rebuilding
+    assert pages >= 2
+    rebuilder._write_entries = real  # type: ignore[method-assign]
+    # The next check must not take the index for complete: "first" was lost with it.
+    await rebuilder.check_epoch()
+    if rebuilder.rebuilding is not None:
+        await rebuilder.rebuilding
+    assert await members(index) == {"sw/first", "sw/second"}
+    assert await index.client.get(index.keys.epoch) is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -73,3 +74,29 @@ async def test_a_caller_that_stops_early_stops_the_fetching() -> None:
         for t in asyncio.all_tasks()
         if getattr(t.get_coro(), "__qualname__", "").endswith("fetch")
     ]
+
+
+async def test_a_caller_cancelled_while_the_fetching_stops_stays_cancelled() -> None:
+    stopping = asyncio.Event()
+
+    async def slow_to_stop() -> AsyncIterator[int]:
+        yield 0
+        try:
+            await asyncio.sleep(3600)  # a page that takes long to come
+        except asyncio.CancelledError:
+            stopping.set()
+            await asyncio.sleep(0.05)  # its connection takes a moment to hand back
+            raise
+        yield 1
+
+    async def consume() -> str:
+        async with contextlib.aclosing(read_ahead(slow_to_stop())) as items:
+            async for _ in items:
+                break
+        return "went on"
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(stopping.wait(), 5)
+    task.cancel()  # the service shuts down while the caller waits for the fetching to stop
+    done, _ = await asyncio.wait([task], timeout=5)
+    assert done and task.cancelled(), "the caller's cancellation was swallowed"
