@@ -743,8 +743,9 @@ async def _rebuild_in(args: argparse.Namespace, found: Corner, sink: Sink) -> di
         "redis_bytes_per_schedule": round(bytes_per, 1),
     }
     if args.firing:
-        # The rebuild's start, from its own measure: at most one poll before it was seen done.
-        started_ms = max(ended_ms - round(rebuild_s * 1000) - 500, lost_at_ms)
+        # The rebuild ended at most one poll (500 ms) before it was seen done, so it started
+        # no later than this: the window starts no earlier than the margin after the start.
+        started_ms = max(ended_ms - round(rebuild_s * 1000), lost_at_ms)
         window = (started_ms + REBUILD_FIRING_MARGIN_MS, ended_ms - 500)
         figures |= firing_figures(args.firing, window, list(sink.received))
     return figures

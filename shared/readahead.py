@@ -17,7 +17,8 @@ class _End:
 
 
 async def read_ahead(source: AsyncIterator[T], depth: int = 1) -> AsyncGenerator[T, None]:
-    """The items of ``source`` in order, with up to ``depth`` of them fetched ahead.
+    """The items of ``source`` in order, with up to ``depth`` of them fetched and waiting,
+    and one more being fetched.
 
     A rebuild waits on PostgreSQL for a page, then on Redis to write it: fetching the next
     page meanwhile overlaps the two. An error of ``source`` is raised where the caller reads

@@ -112,7 +112,7 @@ async def test_rebuild_restores_everything_while_the_first_rebuilt_keep_firing(
     code, out, err = await bench(
         endpoints,
         *("rebuild", "--n", str(n), "--firing", str(firing), "--executors", "1"),
-        # Pages of 5 rows: a rebuild of some seconds, long enough to see fires inside it.
+        # Pages of 2 rows: a rebuild of some seconds, long enough to see fires inside it.
         *("--rebuild-batch", "2"),
         *("--settle-s", "1", "--json"),
     )
