@@ -8,6 +8,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from asyncpg.transaction import Transaction
 
 from shared import bulk, codec, compact, keys, netpolicy, timefmt, validation
 from shared.index import Index
@@ -27,6 +28,21 @@ def line(schedule_id: str, **spec: object) -> bytes:
             "target": {"kind": "webhook", "url": "http://127.0.0.1:9/x"},
         }
     )
+
+
+async def cancel_statements_after_300_ms(admin: asyncpg.Connection) -> None:
+    """PostgreSQL cancels any statement of a new connection to the test's database after
+    300 ms, as a busy server's statement timeout would."""
+    name = await admin.fetchval("SELECT current_database()")
+    await admin.execute(f'ALTER DATABASE "{name}" SET statement_timeout = 300')
+
+
+async def holding(conn: asyncpg.Connection, statement: str) -> Transaction:
+    """A transaction of ``conn`` that ran ``statement`` and keeps its locks until rolled back."""
+    held = conn.transaction()
+    await held.start()
+    await conn.execute(statement)
+    return held
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -99,14 +115,8 @@ async def test_a_batch_cancelled_by_the_statement_timeout_is_written_on_a_later_
     admin = await asyncpg.connect(database_url)
     holder = await asyncpg.connect(database_url)
     try:
-        # PostgreSQL cancels any statement after 300 ms, as a busy server's timeout would.
-        await admin.execute(
-            f'ALTER DATABASE "{await admin.fetchval("SELECT current_database()")}" '
-            "SET statement_timeout = 300"
-        )
-        held = holder.transaction()
-        await held.start()
-        await holder.execute("SELECT 1 FROM schedules WHERE id = 'held' FOR UPDATE")
+        await cancel_statements_after_300_ms(admin)
+        held = await holding(holder, "SELECT 1 FROM schedules WHERE id = 'held' FOR UPDATE")
         store = await Store.open(database_url)
         try:
             lines = [line(f"s{i}") for i in range(5)]
@@ -224,14 +234,9 @@ async def test_an_analyze_that_fails_does_not_fail_the_import_it_follows(
     admin = await asyncpg.connect(database_url)
     holder = await asyncpg.connect(database_url)
     try:
-        await admin.execute(
-            f'ALTER DATABASE "{await admin.fetchval("SELECT current_database()")}" '
-            "SET statement_timeout = 300"
-        )
+        await cancel_statements_after_300_ms(admin)
         # A lock ANALYZE waits for (as behind a long VACUUM): its statement times out.
-        held = holder.transaction()
-        await held.start()
-        await holder.execute("LOCK TABLE schedules IN SHARE UPDATE EXCLUSIVE MODE")
+        held = await holding(holder, "LOCK TABLE schedules IN SHARE UPDATE EXCLUSIVE MODE")
         store = await Store.open(database_url)
         try:
             result = await bulk.import_lines(
