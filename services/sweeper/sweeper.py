@@ -17,6 +17,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
+from redis import exceptions as redis_errors
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.lock import Lock
 
 from services.sweeper import backfills, drift, pending
@@ -84,6 +86,24 @@ async def _cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
     for task in running:
         if not task.cancelled():
             task.exception()  # retrieved, so asyncio does not report it as lost
+
+
+def _same_servers(before: frozenset[str] | None, after: frozenset[str] | None) -> bool:
+    """Whether no Redis server restarted between the two reads (unknown: taken as none)."""
+    return before is None or after is None or before == after
+
+
+def _run_ids(info: object) -> frozenset[str] | None:
+    """The run ids in an INFO reply: one server's, or node -> INFO of several (a cluster);
+    None when there is none to read."""
+    if not isinstance(info, dict):
+        return None
+    if "run_id" in info:
+        return frozenset({str(info["run_id"])})
+    found = frozenset(
+        str(node["run_id"]) for node in info.values() if isinstance(node, dict) and "run_id" in node
+    )
+    return found or None
 
 
 def _entry_of(row: LiveSchedule, now_ms: int) -> Upsert | None:
@@ -282,6 +302,7 @@ class Sweeper:
         written = 0
         token = uuid.uuid4().hex
         try:
+            servers = await self._redis_servers()
             await self._witness_rebuild(token)
             written = await self._stream_into_index()
             await pending.restore_all(self.index, self.store, self.settings.rebuild_batch)
@@ -289,8 +310,13 @@ class Sweeper:
             generation = await self.store.index_generation() + 1
             await self.index.client.set(self.index.keys.epoch, generation)
             # Checked after the epoch is set: Redis losing data after the check takes the
-            # epoch with it, so a rebuild follows either way.
-            if not await self._rebuild_witnessed(token):
+            # epoch with it, so a rebuild follows either way. The witness alone is not enough:
+            # a Redis that restarted from a snapshot (RDB or AOF) taken during the rebuild
+            # has it back, without the pages written after the snapshot, and the client's
+            # retries (and NOSCRIPT reloads) hide such a restart from the writes.
+            if not await self._rebuild_witnessed(token) or not _same_servers(
+                servers, await self._redis_servers()
+            ):
                 await self.index.client.delete(self.index.keys.epoch)
                 raise IndexLostDuringRebuild("Redis lost data while the rebuild ran")
             await self.store.advance_index_generation(generation)
@@ -316,6 +342,21 @@ class Sweeper:
         for shard in range(self.settings.shards):
             pipe.set(self.index.keys.rebuild_witness(shard), token, ex=REBUILD_WITNESS_TTL_S)
         await pipe.execute()
+
+    async def _redis_servers(self) -> frozenset[str] | None:
+        """The run ids of the Redis servers behind the index (a restart gives a server a new
+        one); None when this user may not ask (INFO refused by an ACL): the witness alone
+        then tells."""
+        client = self.index.client
+        try:
+            if isinstance(client, RedisCluster):
+                # Every primary: the default node alone would miss the others' restarts.
+                info = await client.info("server", target_nodes=RedisCluster.PRIMARIES)
+            else:
+                info = await client.info("server")
+        except redis_errors.NoPermissionError:
+            return None
+        return _run_ids(info)
 
     async def _rebuild_witnessed(self, token: str) -> bool:
         """Whether every shard still holds this rebuild's token (none lost data since)."""
