@@ -41,6 +41,9 @@ SCAN_BATCH = 1000
 TOMBSTONE_KEEP_MS = 600_000
 #: How often tombstones are looked at (ms).
 TOMBSTONE_CHECK_MS = 60_000
+#: The rebuild lock's time to live (s), and how often a running rebuild renews it.
+REBUILD_LOCK_S = 60
+REBUILD_LOCK_RENEW_S = 15.0
 #: A rebuild's witness keys outlive any rebuild; an interrupted one's go by themselves.
 REBUILD_WITNESS_TTL_S = 7 * 86_400
 
@@ -268,28 +271,51 @@ class Sweeper:
             await self.store.advance_index_generation(following)
 
     async def rebuild_with_lock(self) -> None:
-        lock = Lock(self.index.client, self.index.keys.rebuild_lock, timeout=60, blocking=False)
+        lock = Lock(
+            self.index.client, self.index.keys.rebuild_lock, timeout=REBUILD_LOCK_S, blocking=False
+        )
         if not await lock.acquire(token=self.identity):
             return
+        # The rebuild stops when its lock is lost (it expired while Redis was away, or Redis
+        # lost it): another sweeper may be rebuilding by then, and two rebuilds overwrite each
+        # other's witness, so the first to end drops the epoch the other may have set.
         renew = asyncio.create_task(self._renew(lock), name="rebuild-lock")
+        work = asyncio.create_task(self._rebuild_if_missing(), name="rebuild-work")
         try:
-            if not await self.index.client.get(self.index.keys.epoch):
-                await self.rebuild()
+            await asyncio.wait([work, renew], return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                work.result()
+            else:
+                # Lost, or it could not be renewed (an error): either way it will not be held.
+                failed = renew.exception()
+                log.warning(
+                    "rebuild lock lost; the rebuild stops and will start over",
+                    extra={"action": "rebuild_lock_lost", "error": repr(failed) if failed else ""},
+                )
         except _REBUILD_INTERRUPTIONS as exc:
             log.warning(
                 "rebuild interrupted; it will start over",
                 extra={"action": "rebuild_interrupted", "error": repr(exc)},
             )
         finally:
-            renew.cancel()
+            await _cancel_all([work, renew])
             with contextlib.suppress(Exception):
                 await lock.release()
 
+    async def _rebuild_if_missing(self) -> None:
+        if not await self.index.client.get(self.index.keys.epoch):
+            await self.rebuild()
+
     async def _renew(self, lock: Lock) -> None:
+        """Keeps the rebuild lock; returns once it is no longer this sweeper's."""
         while True:
-            await asyncio.sleep(15)
-            with contextlib.suppress(*transient.ERRORS):
+            await asyncio.sleep(REBUILD_LOCK_RENEW_S)
+            try:
                 await lock.reacquire()
+            except redis_errors.LockNotOwnedError:
+                return
+            except transient.ERRORS:
+                continue
 
     async def rebuild(self) -> int:
         """Stream every live schedule from PostgreSQL, highest priority first, into the shards;
