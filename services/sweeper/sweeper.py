@@ -534,6 +534,14 @@ class Sweeper:
                     removals[shard].append((member, row.version))
                     metrics.DRIFT_REPAIRED.labels("orphan").inc()
                 continue
+            if row.state == "completed" and old is not None:
+                if compact.version_of(old) < row.version:
+                    # A change ended it (the intake removes it) and that removal never landed:
+                    # the older rotation would go on firing. Removed at the version seen, so a
+                    # completed schedule parked later for a pending trigger is not refused.
+                    removals[shard].append((member, compact.version_of(old)))
+                    metrics.DRIFT_REPAIRED.labels("stale").inc()
+                continue
             if row.state not in ("active", "paused") or (
                 old is not None and compact.version_of(old) >= row.version
             ):
@@ -631,7 +639,13 @@ class Sweeper:
             return 0
         pairs = [keys.split_member(m)[:2] for m in members]
         states = await self.store.schedule_states(pairs)
-        live = {member for member, state in states.items() if state != "deleted"}
+        # A completed row keeps its entry (parked for a pending trigger) unless the entry is
+        # of an older version: the change that ended it never reached the index.
+        live = {
+            member
+            for member, (state, version) in states.items()
+            if state != "deleted" and not (state == "completed" and seen[member] < version)
+        }
         orphans: list[tuple[str, int | None]] = [(m, seen[m]) for m in members if m not in live]
         if orphans:
             await self.index.remove({shard: orphans})

@@ -478,3 +478,36 @@ async def test_a_rebuild_that_lost_its_lock_stops_and_sets_no_epoch(
     assert await index.client.get(index.keys.epoch) is None
     assert await index.client.get(index.keys.rebuild_lock) == b"another-sweeper"
 
+
+async def test_drift_repair_stops_a_rotation_whose_row_completed_without_its_index_write(
+    sweeper: Sweeper, index: Index, store: Store, database_url: str
+) -> None:
+    await load(store, index, every("recent", 60), every("long-ago", 60))
+    # An upsert ended each schedule (its window closed: PostgreSQL says completed at version 2,
+    # a new rotation) and the intake died before its index write (a removal). One change is
+    # recent (the incremental check sees it); the other is older than any incremental window
+    # (the sweeper was down meanwhile): only the full comparison can find it.
+    conn = await asyncpg.connect(database_url)
+    try:
+        for name, age in (("recent", dt.timedelta(0)), ("long-ago", dt.timedelta(hours=1))):
+            row = await store.get_schedule("sw", name)
+            assert row is not None
+            assert await due_at(index, f"sw/{name}") is not None
+            await conn.execute(
+                "UPDATE schedules SET state = 'completed', version = 2, rotation_version = 2, "
+                "compact = $1, next_fire_at = NULL, updated_at = now() - $2::interval "
+                "WHERE id = $3",
+                compact.with_version(row.compact, 2),
+                age,
+                name,
+            )
+    finally:
+        await conn.close()
+
+    await sweeper.repair_drift()  # the recent window, and a slice of the full comparison
+    assert await due_at(index, "sw/recent") is None
+    for _ in range(SHARDS + 1):  # a full pass, or more
+        await sweeper.drift_slice()
+    # The old rotations must not go on firing schedules PostgreSQL says are over.
+    assert await due_at(index, "sw/long-ago") is None
+    assert await members(index) == set()
