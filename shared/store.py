@@ -820,12 +820,14 @@ class Store:
         records = await self.pool.fetch(QUERIES["live_versions_after"], *after, limit)
         return [(r["namespace"], r["id"], r["version"]) for r in records]
 
-    async def schedule_states(self, members: Sequence[tuple[str, str]]) -> dict[str, str]:
-        """``namespace/id`` -> state, for those of these schedules that have a row."""
+    async def schedule_states(
+        self, members: Sequence[tuple[str, str]]
+    ) -> dict[str, tuple[str, int]]:
+        """``namespace/id`` -> (state, version), for those of these schedules that have a row."""
         records = await self.pool.fetch(
             QUERIES["schedule_states"], [ns for ns, _ in members], [i for _, i in members]
         )
-        return {keys.member(r["namespace"], r["id"]): r["state"] for r in records}
+        return {keys.member(r["namespace"], r["id"]): (r["state"], r["version"]) for r in records}
 
     async def changed_schedules(
         self, since_ms: int, batch: int

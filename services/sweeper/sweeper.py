@@ -17,6 +17,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
+from redis import exceptions as redis_errors
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.lock import Lock
 
 from services.sweeper import backfills, drift, pending
@@ -39,6 +41,9 @@ SCAN_BATCH = 1000
 TOMBSTONE_KEEP_MS = 600_000
 #: How often tombstones are looked at (ms).
 TOMBSTONE_CHECK_MS = 60_000
+#: The rebuild lock's time to live (s), and how often a running rebuild renews it.
+REBUILD_LOCK_S = 60
+REBUILD_LOCK_RENEW_S = 15.0
 #: A rebuild's witness keys outlive any rebuild; an interrupted one's go by themselves.
 REBUILD_WITNESS_TTL_S = 7 * 86_400
 
@@ -84,6 +89,24 @@ async def _cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
     for task in running:
         if not task.cancelled():
             task.exception()  # retrieved, so asyncio does not report it as lost
+
+
+def _same_servers(before: frozenset[str] | None, after: frozenset[str] | None) -> bool:
+    """Whether no Redis server restarted between the two reads (unknown: taken as none)."""
+    return before is None or after is None or before == after
+
+
+def _run_ids(info: object) -> frozenset[str] | None:
+    """The run ids in an INFO reply: one server's, or node -> INFO of several (a cluster);
+    None when there is none to read."""
+    if not isinstance(info, dict):
+        return None
+    if "run_id" in info:
+        return frozenset({str(info["run_id"])})
+    found = frozenset(
+        str(node["run_id"]) for node in info.values() if isinstance(node, dict) and "run_id" in node
+    )
+    return found or None
 
 
 def _entry_of(row: LiveSchedule, now_ms: int) -> Upsert | None:
@@ -248,28 +271,51 @@ class Sweeper:
             await self.store.advance_index_generation(following)
 
     async def rebuild_with_lock(self) -> None:
-        lock = Lock(self.index.client, self.index.keys.rebuild_lock, timeout=60, blocking=False)
+        lock = Lock(
+            self.index.client, self.index.keys.rebuild_lock, timeout=REBUILD_LOCK_S, blocking=False
+        )
         if not await lock.acquire(token=self.identity):
             return
+        # The rebuild stops when its lock is lost (it expired while Redis was away, or Redis
+        # lost it): another sweeper may be rebuilding by then, and two rebuilds overwrite each
+        # other's witness, so the first to end drops the epoch the other may have set.
         renew = asyncio.create_task(self._renew(lock), name="rebuild-lock")
+        work = asyncio.create_task(self._rebuild_if_missing(), name="rebuild-work")
         try:
-            if not await self.index.client.get(self.index.keys.epoch):
-                await self.rebuild()
+            await asyncio.wait([work, renew], return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                work.result()
+            else:
+                # Lost, or it could not be renewed (an error): either way it will not be held.
+                failed = renew.exception()
+                log.warning(
+                    "rebuild lock lost; the rebuild stops and will start over",
+                    extra={"action": "rebuild_lock_lost", "error": repr(failed) if failed else ""},
+                )
         except _REBUILD_INTERRUPTIONS as exc:
             log.warning(
                 "rebuild interrupted; it will start over",
                 extra={"action": "rebuild_interrupted", "error": repr(exc)},
             )
         finally:
-            renew.cancel()
+            await _cancel_all([work, renew])
             with contextlib.suppress(Exception):
                 await lock.release()
 
+    async def _rebuild_if_missing(self) -> None:
+        if not await self.index.client.get(self.index.keys.epoch):
+            await self.rebuild()
+
     async def _renew(self, lock: Lock) -> None:
+        """Keeps the rebuild lock; returns once it is no longer this sweeper's."""
         while True:
-            await asyncio.sleep(15)
-            with contextlib.suppress(*transient.ERRORS):
+            await asyncio.sleep(REBUILD_LOCK_RENEW_S)
+            try:
                 await lock.reacquire()
+            except redis_errors.LockNotOwnedError:
+                return
+            except transient.ERRORS:
+                continue
 
     async def rebuild(self) -> int:
         """Stream every live schedule from PostgreSQL, highest priority first, into the shards;
@@ -282,6 +328,7 @@ class Sweeper:
         written = 0
         token = uuid.uuid4().hex
         try:
+            servers = await self._redis_servers()
             await self._witness_rebuild(token)
             written = await self._stream_into_index()
             await pending.restore_all(self.index, self.store, self.settings.rebuild_batch)
@@ -289,8 +336,13 @@ class Sweeper:
             generation = await self.store.index_generation() + 1
             await self.index.client.set(self.index.keys.epoch, generation)
             # Checked after the epoch is set: Redis losing data after the check takes the
-            # epoch with it, so a rebuild follows either way.
-            if not await self._rebuild_witnessed(token):
+            # epoch with it, so a rebuild follows either way. The witness alone is not enough:
+            # a Redis that restarted from a snapshot (RDB or AOF) taken during the rebuild
+            # has it back, without the pages written after the snapshot, and the client's
+            # retries (and NOSCRIPT reloads) hide such a restart from the writes.
+            if not await self._rebuild_witnessed(token) or not _same_servers(
+                servers, await self._redis_servers()
+            ):
                 await self.index.client.delete(self.index.keys.epoch)
                 raise IndexLostDuringRebuild("Redis lost data while the rebuild ran")
             await self.store.advance_index_generation(generation)
@@ -316,6 +368,21 @@ class Sweeper:
         for shard in range(self.settings.shards):
             pipe.set(self.index.keys.rebuild_witness(shard), token, ex=REBUILD_WITNESS_TTL_S)
         await pipe.execute()
+
+    async def _redis_servers(self) -> frozenset[str] | None:
+        """The run ids of the Redis servers behind the index (a restart gives a server a new
+        one); None when this user may not ask (INFO refused by an ACL): the witness alone
+        then tells."""
+        client = self.index.client
+        try:
+            if isinstance(client, RedisCluster):
+                # Every primary: the default node alone would miss the others' restarts.
+                info = await client.info("server", target_nodes=RedisCluster.PRIMARIES)
+            else:
+                info = await client.info("server")
+        except redis_errors.NoPermissionError:
+            return None
+        return _run_ids(info)
 
     async def _rebuild_witnessed(self, token: str) -> bool:
         """Whether every shard still holds this rebuild's token (none lost data since)."""
@@ -467,6 +534,14 @@ class Sweeper:
                     removals[shard].append((member, row.version))
                     metrics.DRIFT_REPAIRED.labels("orphan").inc()
                 continue
+            if row.state == "completed" and old is not None:
+                if compact.version_of(old) < row.version:
+                    # A change ended it (the intake removes it) and that removal never landed:
+                    # the older rotation would go on firing. Removed at the version seen, so a
+                    # completed schedule parked later for a pending trigger is not refused.
+                    removals[shard].append((member, compact.version_of(old)))
+                    metrics.DRIFT_REPAIRED.labels("stale").inc()
+                continue
             if row.state not in ("active", "paused") or (
                 old is not None and compact.version_of(old) >= row.version
             ):
@@ -564,7 +639,13 @@ class Sweeper:
             return 0
         pairs = [keys.split_member(m)[:2] for m in members]
         states = await self.store.schedule_states(pairs)
-        live = {member for member, state in states.items() if state != "deleted"}
+        # A completed row keeps its entry (parked for a pending trigger) unless the entry is
+        # of an older version: the change that ended it never reached the index.
+        live = {
+            member
+            for member, (state, version) in states.items()
+            if state != "deleted" and not (state == "completed" and seen[member] < version)
+        }
         orphans: list[tuple[str, int | None]] = [(m, seen[m]) for m in members if m not in live]
         if orphans:
             await self.index.remove({shard: orphans})

@@ -222,8 +222,9 @@ ORDER BY namespace, id
 LIMIT $3;
 
 -- schedule_states --
--- The state of the given schedules (index entries without a live row are orphans).
-SELECT s.namespace, s.id, s.state
+-- The state and version of the given schedules (index entries without a live row are
+-- orphans, and so are those older than a completed row).
+SELECT s.namespace, s.id, s.state, s.version
 FROM schedules s
 JOIN unnest($1::text[], $2::text[]) AS k(namespace, id)
   ON s.namespace = k.namespace AND s.id = k.id;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -10,8 +11,9 @@ import pytest
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
+from services.sweeper.sweeper import Sweeper
 from shared import compact, index, keys, netpolicy
-from shared.config import CommonSettings
+from shared.config import CommonSettings, SweeperSettings
 from shared.index import Completion, Index, Upsert
 from shared.plan import IntervalRule, Plan, WebhookPlan
 from tests.support import cluster, services
@@ -63,6 +65,21 @@ async def test_each_shard_script_runs_on_its_node(cluster_index: Index) -> None:
     assert sum(sum(codes) for codes in again.values()) == 0  # stale tokens change nothing
     await cluster_index.client.script_flush()  # on every node: NOSCRIPT is recovered
     assert sum(len(r.claimed) for r in await cluster_index.claim(range(16), 10, 1000)) == 0
+
+
+async def test_a_rebuild_knows_every_primary_s_run_id(
+    redis_cluster: cluster.Cluster, cluster_index: Index
+) -> None:
+    # A restart of any node while a rebuild runs must be seen (its pages there may be gone).
+    sweeper = Sweeper(
+        SweeperSettings(redis_url=redis_cluster.url, redis_cluster=True, shards=16),
+        cluster_index,
+        None,  # type: ignore[arg-type]  # the run ids come from Redis alone
+        asyncio.Event(),
+    )
+    found = await sweeper._redis_servers()
+    assert found is not None and len(found) == len(redis_cluster.ports), found
+    assert all(len(run_id) == 40 for run_id in found), found
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import asyncpg
 import pytest
 from redis.asyncio.lock import Lock
 
+from services.sweeper import sweeper as sweeper_module
 from services.sweeper.sweeper import Sweeper
 from shared import bulk, codec, compact, db, keys, netpolicy, timefmt, validation
 from shared.config import SweeperSettings
@@ -443,3 +444,70 @@ async def test_a_rebuild_across_which_redis_lost_data_again_is_followed_by_anoth
         await rebuilder.rebuilding
     assert await members(index) == {"sw/first", "sw/second"}
     assert await index.client.get(index.keys.epoch) is not None
+
+
+async def test_a_rebuild_that_lost_its_lock_stops_and_sets_no_epoch(
+    index: Index, store: Store, redis_prefix: str, database_url: str, monkeypatch: Any
+) -> None:
+    # Renewed often here, so that the loss is seen within the test.
+    monkeypatch.setattr(sweeper_module, "REBUILD_LOCK_RENEW_S", 0.05, raising=False)
+    settings = SweeperSettings(
+        redis_prefix=redis_prefix, shards=SHARDS, database_url=database_url, rebuild_batch=1
+    )
+    rebuilder = Sweeper(settings, index, store, asyncio.Event())
+    await load(store, index, *(every(f"p{i}", 60, priority=i) for i in range(6)))
+    await index.client.delete(index.keys.epoch)
+    real = rebuilder._write_entries
+    pages = 0
+
+    async def lose_the_lock_at_the_first_page(rows: Any, now: int) -> int:
+        nonlocal pages
+        pages += 1
+        if pages == 1:
+            # The lock ran out (Redis was away past its time to live) and another sweeper
+            # took it to rebuild: this one must not go on, nor set the epoch at its end.
+            await index.client.set(index.keys.rebuild_lock, "another-sweeper")
+            await asyncio.sleep(0.5)
+        return await real(rows, now)
+
+    rebuilder._write_entries = lose_the_lock_at_the_first_page  # type: ignore[method-assign]
+    await rebuilder.check_epoch()
+    assert rebuilder.rebuilding is not None
+    await asyncio.wait_for(rebuilder.rebuilding, 30)
+    assert pages < 6, "the rebuild went on without its lock"
+    assert await index.client.get(index.keys.epoch) is None
+    assert await index.client.get(index.keys.rebuild_lock) == b"another-sweeper"
+
+
+async def test_drift_repair_stops_a_rotation_whose_row_completed_without_its_index_write(
+    sweeper: Sweeper, index: Index, store: Store, database_url: str
+) -> None:
+    await load(store, index, every("recent", 60), every("long-ago", 60))
+    # An upsert ended each schedule (its window closed: PostgreSQL says completed at version 2,
+    # a new rotation) and the intake died before its index write (a removal). One change is
+    # recent (the incremental check sees it); the other is older than any incremental window
+    # (the sweeper was down meanwhile): only the full comparison can find it.
+    conn = await asyncpg.connect(database_url)
+    try:
+        for name, age in (("recent", dt.timedelta(0)), ("long-ago", dt.timedelta(hours=1))):
+            row = await store.get_schedule("sw", name)
+            assert row is not None
+            assert await due_at(index, f"sw/{name}") is not None
+            await conn.execute(
+                "UPDATE schedules SET state = 'completed', version = 2, rotation_version = 2, "
+                "compact = $1, next_fire_at = NULL, updated_at = now() - $2::interval "
+                "WHERE id = $3",
+                compact.with_version(row.compact, 2),
+                age,
+                name,
+            )
+    finally:
+        await conn.close()
+
+    await sweeper.repair_drift()  # the recent window, and a slice of the full comparison
+    assert await due_at(index, "sw/recent") is None
+    for _ in range(SHARDS + 1):  # a full pass, or more
+        await sweeper.drift_slice()
+    # The old rotations must not go on firing schedules PostgreSQL says are over.
+    assert await due_at(index, "sw/long-ago") is None
+    assert await members(index) == set()
