@@ -20,13 +20,15 @@ from shared.store import Store
 from tests.conftest import SHARDS
 from tests.integration.test_sweeper import every, load, members
 from tests.support.private import PrivateRedis
-from tests.support.services import free_port
+from tests.support.services import quiet_ports
 
 
 @pytest.fixture
 async def private_redis() -> AsyncIterator[PrivateRedis]:
     with tempfile.TemporaryDirectory(prefix="cronbus-restart-") as directory:
-        server = PrivateRedis(free_port(), Path(directory))
+        # Outside the ephemeral range: the server restarts on this port, which a client
+        # socket of another test worker must not take meanwhile.
+        server = PrivateRedis(quiet_ports(1), Path(directory))
         await asyncio.to_thread(server.start)
         try:
             yield server

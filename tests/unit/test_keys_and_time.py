@@ -85,7 +85,7 @@ def test_query_file_parses_into_named_blocks() -> None:
     assert parsed == {"a": "-- what a does\nSELECT 1;", "b_c": "SELECT 2;"}
     with pytest.raises(ValueError, match="twice"):
         sql.parse_queries("-- a --\nSELECT 1;\n-- a --\nSELECT 2;\n")
-    assert {"get_schedule", "write_executions", "live_schedules"} <= set(sql.QUERIES)
+    assert {"get_schedule", "write_executions", "live_schedules_page"} <= set(sql.QUERIES)
     assert next(number for number, _, _ in sql.migrations()) == 1
 
 
