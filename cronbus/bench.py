@@ -729,6 +729,14 @@ async def _rebuild_in(args: argparse.Namespace, found: Corner, sink: Sink) -> di
             sweeper = next(p for p in run.processes if p.name == "sweeper")
             rebuild_s = await _wait_for_rebuild(sweeper, args.timeout_s)
             ended_ms = int(time.time() * 1000)
+            # The rebuild ended at most one poll (500 ms) before it was seen done, so it
+            # started no later than this: the window starts the margin after that.
+            started_ms = max(ended_ms - round(rebuild_s * 1000), lost_at_ms)
+            window = (started_ms + REBUILD_FIRING_MARGIN_MS, ended_ms - 500)
+            if args.firing:
+                # Fires of the window still on their way are late, not lost: wait for them.
+                expected = _firing_expected(args.firing, window)
+                await _wait_window(sink, found, *window, expected, args.timeout_s)
             await asyncio.sleep(args.settle_s)
         finally:
             procs.stop_all(run.processes)
@@ -743,12 +751,14 @@ async def _rebuild_in(args: argparse.Namespace, found: Corner, sink: Sink) -> di
         "redis_bytes_per_schedule": round(bytes_per, 1),
     }
     if args.firing:
-        # The rebuild ended at most one poll (500 ms) before it was seen done, so it started
-        # no later than this: the window starts no earlier than the margin after the start.
-        started_ms = max(ended_ms - round(rebuild_s * 1000), lost_at_ms)
-        window = (started_ms + REBUILD_FIRING_MARGIN_MS, ended_ms - 500)
         figures |= firing_figures(args.firing, window, list(sink.received))
     return figures
+
+
+def _firing_expected(k: int, window: tuple[int, int]) -> int:
+    """Fires of ``k`` every-second schedules due in ``window`` (whole seconds inside it)."""
+    start_ms, end_ms = window
+    return k * max(0, math.ceil(end_ms / 1000) - math.ceil(start_ms / 1000))
 
 
 def firing_figures(k: int, window: tuple[int, int], received: list[Received]) -> dict[str, Any]:
@@ -761,7 +771,7 @@ def firing_figures(k: int, window: tuple[int, int], received: list[Received]) ->
         and start_ms <= timefmt.parse_rfc3339_ms(r.fire_time) < end_ms
     ]
     late = [r.at_ms - timefmt.parse_rfc3339_ms(r.fire_time) for r in inside if r.attempt == 1]
-    expected = k * max(0, math.ceil(end_ms / 1000) - math.ceil(start_ms / 1000))
+    expected = _firing_expected(k, window)
     return {
         "firing": k,
         "firing_window_s": round(max(end_ms - start_ms, 0) / 1000, 1),
