@@ -31,9 +31,12 @@ from cronbus import benchcpu, console_bench, procs
 from cronbus.common import CliError
 from cronbus.procs import ServiceProcess
 from cronbus.sink import Received, Sink
-from shared import bulk, codec, db, index, keys, netpolicy, timefmt, validation
-from shared.config import CommonSettings
-from shared.store import Store
+from shared.contract import codec, keys, timefmt, validation
+from shared.policy import netpolicy
+from shared.postgres import bulk, db
+from shared.postgres.store import Store
+from shared.redis import index
+from shared.runtime.config import CommonSettings
 
 NAMESPACE = "bench"
 LOCAL_POLICY = validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK)

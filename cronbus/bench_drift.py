@@ -16,9 +16,10 @@ from typing import Any
 
 from cronbus import bench
 from services.sweeper.sweeper import Sweeper
-from shared import index, keys
-from shared.config import CommonSettings, SweeperSettings
-from shared.store import Store
+from shared.contract import keys
+from shared.postgres.store import Store
+from shared.redis import index
+from shared.runtime.config import CommonSettings, SweeperSettings
 
 
 async def _drift(args: argparse.Namespace) -> dict[str, Any]:

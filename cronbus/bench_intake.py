@@ -22,8 +22,8 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from cronbus import bench, procs
 from cronbus.common import CliError
-from shared import codec, keys
-from shared.config import CommonSettings
+from shared.contract import codec, keys
+from shared.runtime.config import CommonSettings
 
 NAMESPACE = "bench"
 #: Schedules per upsert_many command.

@@ -17,7 +17,7 @@ from typing import TypeAlias
 from cronbus import bench, commands, dev, importer, procs, top
 from cronbus import preview as preview_cmd
 from cronbus.common import CliError
-from shared.config import DispatcherSettings, ExecutorSettings, SweeperSettings
+from shared.runtime.config import DispatcherSettings, ExecutorSettings, SweeperSettings
 
 Handler = Callable[[argparse.Namespace], int]
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -143,7 +143,8 @@ def _add_operations(sub: Subparsers) -> None:
 def _migrate(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415
 
-    from shared import db, transient  # noqa: PLC0415
+    from shared.postgres import db  # noqa: PLC0415
+    from shared.runtime import transient  # noqa: PLC0415
 
     settings = SweeperSettings()
     try:

@@ -17,7 +17,7 @@ import aio_pika
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
-from shared import codec, keys
+from shared.contract import codec, keys
 
 #: What the broker raises when a user's permissions do not allow an operation: a publish to
 #: another tenant's namespace closes the channel with this.

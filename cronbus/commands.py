@@ -14,7 +14,8 @@ import yaml
 from cronbus import client as client_module
 from cronbus.client import CommandClient
 from cronbus.common import CliError, amqp_url, database_url
-from shared import codec, models, timefmt, transient
+from shared.contract import codec, models, timefmt
+from shared.runtime import transient
 
 
 def load_schedules(path: str) -> list[dict[str, Any]]:
@@ -190,7 +191,7 @@ def _label(text: str) -> tuple[str, str]:
 
 
 def run_executions(args: argparse.Namespace) -> int:
-    from shared.store import Store  # noqa: PLC0415 - only this subcommand needs PostgreSQL
+    from shared.postgres.store import Store  # noqa: PLC0415 - only this subcommand needs PostgreSQL
 
     async def fetch() -> list[dict[str, Any]]:
         try:

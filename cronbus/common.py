@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.config import CommonSettings
+from shared.runtime.config import CommonSettings
 
 
 class CliError(Exception):

@@ -23,9 +23,12 @@ from aiohttp import web
 from cronbus.common import CliError
 from services.console.readmodel import ReadModel
 from services.console.web import Console
-from shared import compact, db, index, keys, models, validation
-from shared.config import ConsoleSettings
-from shared.db import split_database_url
+from shared.contract import keys, models, validation
+from shared.postgres import db
+from shared.postgres.db import split_database_url
+from shared.redis import index
+from shared.rules import compact
+from shared.runtime.config import ConsoleSettings
 
 DEFAULT_DATABASE = "cronbus_console_bench"
 

@@ -23,8 +23,11 @@ from cronbus.client import CommandClient
 from cronbus.common import CliError
 from cronbus.procs import SERVICES, ServiceProcess
 from cronbus.sink import Received, Sink
-from shared import db, netpolicy, timefmt, transient
-from shared.config import CommonSettings
+from shared.contract import timefmt
+from shared.policy import netpolicy
+from shared.postgres import db
+from shared.runtime import transient
+from shared.runtime.config import CommonSettings
 
 LOG_DIR = Path(".cronbus-dev")
 

@@ -10,10 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cronbus.common import CliError
-from shared import bulk, index, keys, transient
-from shared.config import DispatcherSettings
-from shared.errors import ValidationFailed
-from shared.store import Store
+from shared.contract import keys
+from shared.contract.errors import ValidationFailed
+from shared.postgres import bulk
+from shared.postgres.store import Store
+from shared.redis import index
+from shared.runtime import transient
+from shared.runtime.config import DispatcherSettings
 
 
 def _lines(path: str) -> Iterator[bytes]:

@@ -7,8 +7,9 @@ import argparse
 import pydantic
 
 from cronbus.common import CliError
-from shared import codec, models, schedule, timefmt, validation
-from shared.plan import Plan, plan_of
+from shared.contract import codec, models, timefmt, validation
+from shared.rules import schedule
+from shared.rules.plan import Plan, plan_of
 
 MAX_COUNT = 10_000
 _FLAGS = {"expr": "--cron", "timezone": "--timezone", "every_s": "--every-s"}

@@ -17,8 +17,9 @@ import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-from shared import db, keys  # noqa: E402
-from shared.index import Index  # noqa: E402
+from shared.contract import keys  # noqa: E402
+from shared.postgres import db  # noqa: E402
+from shared.redis.index import Index  # noqa: E402
 from tests.support import services  # noqa: E402
 
 SHARDS = 4

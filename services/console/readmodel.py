@@ -1,6 +1,6 @@
 """What the console shows, read from PostgreSQL (the truth) and Redis (live state).
 
-The console's own read side: its queries live in ``shared/sql/console.sql`` and only this
+The console's own read side: its queries live in ``shared/postgres/sql/console.sql`` and only this
 module runs them. Each page is a few index lookups (see migration 0004). Fields a later
 schema adds (per-schedule ``stats``, ``paused_reason``) belong in ``ScheduleSummary.stats``
 and ``ScheduleSummary.paused_reason``; the templates already show them when present.
@@ -16,9 +16,9 @@ from typing import Any
 import asyncpg
 
 from services.console import views
-from shared import codec, keys
-from shared.index import Index
-from shared.sql import HERE, parse_queries
+from shared.contract import codec, keys
+from shared.postgres.sql import HERE, parse_queries
+from shared.redis.index import Index
 
 QUERIES = parse_queries((HERE / "console.sql").read_text())
 

@@ -9,9 +9,9 @@ from aiohttp import web
 
 from services.console.readmodel import ReadModel
 from services.console.web import Console
-from shared import transient
-from shared.config import ConsoleSettings
-from shared.service import ServiceBase, Tasks
+from shared.runtime import transient
+from shared.runtime.config import ConsoleSettings
+from shared.runtime.service import ServiceBase, Tasks
 
 log = logging.getLogger(__name__)
 

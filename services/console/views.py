@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from markupsafe import Markup, escape
 
-from shared import schedule
-from shared.plan import CronRule, Plan
+from shared.rules import schedule
+from shared.rules.plan import CronRule, Plan
 
 #: Above every id the contract allows (ids are ASCII): the open end of a list's range.
 TOP = "\U0010ffff"

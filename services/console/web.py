@@ -28,9 +28,11 @@ from aiohttp import web
 from cronbus.client import CommandClient
 from services.console import readmodel, views
 from services.console.readmodel import ReadModel
-from shared import compact, models, transient
-from shared.config import ConsoleSettings
-from shared.errors import CronbusError
+from shared.contract import models
+from shared.contract.errors import CronbusError
+from shared.rules import compact
+from shared.runtime import transient
+from shared.runtime.config import ConsoleSettings
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.dispatcher.views import view
-from shared import compact, keys, models, rotation
-from shared.errors import ValidationFailed
-from shared.index import Upsert
-from shared.plan import Plan
-from shared.store import AppliedCommand, CommandAudit, NewScheduleRow, ScheduleRow
+from shared.contract import keys, models
+from shared.contract.errors import ValidationFailed
+from shared.postgres.store import AppliedCommand, CommandAudit, NewScheduleRow, ScheduleRow
+from shared.redis.index import Upsert
+from shared.rules import compact, rotation
+from shared.rules.plan import Plan
 
 Key = tuple[str, str]
 

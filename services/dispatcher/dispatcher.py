@@ -18,10 +18,14 @@ from collections.abc import Sequence
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange
 
-from shared import amqp, delivery, fairness, keys, metrics, schedule, transient
-from shared.config import DispatcherSettings
-from shared.index import Claimed, ClaimResult, Index
-from shared.spans import Spans
+from shared.contract import delivery, keys
+from shared.policy import fairness
+from shared.rabbitmq import amqp
+from shared.redis.index import Claimed, ClaimResult, Index
+from shared.rules import schedule
+from shared.runtime import metrics, transient
+from shared.runtime.config import DispatcherSettings
+from shared.runtime.spans import Spans
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +108,7 @@ class Dispatcher:
             self._claim_span_ns = (claim_start_ns, time.time_ns())
         claimed = [c for result in results for c in result.claimed]
         if len(claimed) > self.settings.delivery_batch:
-            # Each namespace's first occurrences lead the messages (see shared.fairness).
+            # Each namespace's first occurrences lead the messages (see shared.policy.fairness).
             claimed = fairness.interleave(claimed, lambda c: fairness.namespace_of(c.member))
         for result in results:
             if result.orphans:

@@ -24,29 +24,10 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from services.dispatcher import batch
 from services.dispatcher.views import view
-from shared import (
-    amqp,
-    backfill,
-    codec,
-    compact,
-    keys,
-    limits,
-    metrics,
-    models,
-    quotas,
-    rotation,
-    schedule,
-    stats,
-    timefmt,
-    transient,
-    validation,
-)
-from shared.batcher import GroupCommit
-from shared.config import DispatcherSettings
-from shared.errors import ValidationFailed
-from shared.index import BackfillStart, Index, Upsert
-from shared.plan import Plan
-from shared.store import (
+from shared.contract import codec, keys, models, timefmt, validation
+from shared.contract.errors import ValidationFailed
+from shared.policy import limits, stats
+from shared.postgres.store import (
     AppliedCommand,
     Backfill,
     CommandAudit,
@@ -54,6 +35,13 @@ from shared.store import (
     ScheduleRow,
     Store,
 )
+from shared.rabbitmq import amqp
+from shared.redis.batcher import GroupCommit
+from shared.redis.index import BackfillStart, Index, Upsert
+from shared.rules import backfill, compact, rotation, schedule
+from shared.rules.plan import Plan
+from shared.runtime import metrics, quotas, transient
+from shared.runtime.config import DispatcherSettings
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import uuid
 import zlib
 from collections.abc import Callable
 
-from shared import metrics, transient
-from shared.index import Index
+from shared.redis.index import Index
+from shared.runtime import metrics, transient
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,11 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.intake import Intake
 from services.dispatcher.leases import ShardLeases
-from shared import amqp, index, metrics, spans, transient
-from shared.config import DispatcherSettings
-from shared.service import ServiceBase, Tasks, finish_budget_s
+from shared.rabbitmq import amqp
+from shared.redis import index
+from shared.runtime import metrics, spans, transient
+from shared.runtime.config import DispatcherSettings
+from shared.runtime.service import ServiceBase, Tasks, finish_budget_s
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared import compact, schedule, timefmt
-from shared.plan import AfterCompletionRule, Plan
-from shared.store import ScheduleRow
+from shared.contract import timefmt
+from shared.postgres.store import ScheduleRow
+from shared.rules import compact, schedule
+from shared.rules.plan import AfterCompletionRule, Plan
 
 NEXT_FIRES_SHOWN = 5
 

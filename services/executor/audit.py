@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 
-from shared import metrics, stats, transient
-from shared.store import BackfillProgress, Checkpoint, ExecutionRow, Store
+from shared.policy import stats
+from shared.postgres.store import BackfillProgress, Checkpoint, ExecutionRow, Store
+from shared.runtime import metrics, transient
 
 log = logging.getLogger(__name__)
 

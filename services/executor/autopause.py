@@ -16,11 +16,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from services.executor.events import Events
-from shared import compact, keys, metrics, timefmt, transient
-from shared.batcher import Batcher
-from shared.delivery import Occurrence
-from shared.index import Index, Upsert
-from shared.store import CommandAudit, NewScheduleRow, Store
+from shared.contract import keys, timefmt
+from shared.contract.delivery import Occurrence
+from shared.postgres.store import CommandAudit, NewScheduleRow, Store
+from shared.redis.batcher import Batcher
+from shared.redis.index import Index, Upsert
+from shared.rules import compact
+from shared.runtime import metrics, transient
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ from typing import Literal
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
-from shared import codec, keys, metrics, timefmt, transient
-from shared.store import ExecutionRow
+from shared.contract import codec, keys, timefmt
+from shared.postgres.store import ExecutionRow
+from shared.runtime import metrics, transient
 
 log = logging.getLogger(__name__)
 

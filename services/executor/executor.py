@@ -29,14 +29,15 @@ from services.executor.events import Events
 from services.executor.fairslots import FairSlots
 from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import delivery, metrics, transient
-from shared.batcher import Batcher
-from shared.config import ExecutorSettings
-from shared.delivery import Occurrence
-from shared.index import Completion, Index
-from shared.plan import WebhookPlan
-from shared.spans import Spans
-from shared.store import BackfillProgress
+from shared.contract import delivery
+from shared.contract.delivery import Occurrence
+from shared.postgres.store import BackfillProgress
+from shared.redis.batcher import Batcher
+from shared.redis.index import Completion, Index
+from shared.rules.plan import WebhookPlan
+from shared.runtime import metrics, transient
+from shared.runtime.config import ExecutorSettings
+from shared.runtime.spans import Spans
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from shared import netpolicy
+from shared.policy import netpolicy
 
 #: Response body bytes kept (for the error of a failed call); the rest is read and dropped.
 KEEP_BODY: Final = 300

@@ -21,11 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.executor.settle import Outcome
-from shared import limits, metrics, quotas, transient
-from shared.batcher import Batcher
-from shared.config import ExecutorSettings
-from shared.delivery import Occurrence
-from shared.index import Index
+from shared.contract.delivery import Occurrence
+from shared.policy import limits
+from shared.redis.batcher import Batcher
+from shared.redis.index import Index
+from shared.runtime import metrics, quotas, transient
+from shared.runtime.config import ExecutorSettings
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from shared import models, signing
+from shared.contract import models
+from shared.policy import signing
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,10 @@ from services.executor.events import Events
 from services.executor.executor import Executor
 from services.executor.secrets import SigningSecrets
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import amqp, metrics, spans, transient
-from shared.config import ExecutorSettings
-from shared.service import ServiceBase, Tasks, finish_budget_s
+from shared.rabbitmq import amqp
+from shared.runtime import metrics, spans, transient
+from shared.runtime.config import ExecutorSettings
+from shared.runtime.service import ServiceBase, Tasks, finish_budget_s
 
 log = logging.getLogger(__name__)
 

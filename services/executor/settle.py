@@ -11,10 +11,10 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from shared import backfill, backoff, schedule
-from shared.delivery import Occurrence
-from shared.index import Completion, resting_occ_state
-from shared.store import Checkpoint, ExecutionRow
+from shared.contract.delivery import Occurrence
+from shared.postgres.store import Checkpoint, ExecutionRow
+from shared.redis.index import Completion, resting_occ_state
+from shared.rules import backfill, backoff, schedule
 
 EventKind = Literal["succeeded", "failed", "dead", "skipped"]
 

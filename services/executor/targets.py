@@ -21,10 +21,12 @@ from services.executor.http import (
 )
 from services.executor.secrets import SecretHeaders, SecretMissing, SigningSecrets
 from services.executor.settle import Outcome
-from shared import limits, metrics, signing, timefmt, tracing
-from shared.config import ExecutorSettings
-from shared.delivery import Occurrence
-from shared.plan import AmqpPlan, WebhookPlan
+from shared.contract import timefmt
+from shared.contract.delivery import Occurrence
+from shared.policy import limits, signing, tracing
+from shared.rules.plan import AmqpPlan, WebhookPlan
+from shared.runtime import metrics
+from shared.runtime.config import ExecutorSettings
 
 log = logging.getLogger(__name__)
 

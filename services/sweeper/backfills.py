@@ -14,9 +14,10 @@ import logging
 from collections.abc import Sequence
 
 from services.sweeper import suspects
-from shared import keys, metrics
-from shared.index import BackfillStart, Index
-from shared.store import LiveBackfill, Store
+from shared.contract import keys
+from shared.postgres.store import LiveBackfill, Store
+from shared.redis.index import BackfillStart, Index
+from shared.runtime import metrics
 
 log = logging.getLogger(__name__)
 

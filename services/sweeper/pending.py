@@ -13,9 +13,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from services.sweeper import suspects
-from shared import keys, metrics
-from shared.index import Index, Upsert
-from shared.store import PendingRun, PendingRunRow, Store
+from shared.contract import keys
+from shared.postgres.store import PendingRun, PendingRunRow, Store
+from shared.redis.index import Index, Upsert
+from shared.runtime import metrics
 
 log = logging.getLogger(__name__)
 

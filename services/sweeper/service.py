@@ -6,8 +6,8 @@ import asyncio
 import logging
 
 from services.sweeper.sweeper import Sweeper
-from shared.config import SweeperSettings
-from shared.service import ServiceBase, Tasks, finish_budget_s
+from shared.runtime.config import SweeperSettings
+from shared.runtime.service import ServiceBase, Tasks, finish_budget_s
 
 log = logging.getLogger(__name__)
 

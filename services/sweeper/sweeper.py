@@ -22,12 +22,15 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.lock import Lock
 
 from services.sweeper import backfills, drift, pending
-from shared import compact, db, keys, metrics, rotation, transient
-from shared.config import SweeperSettings
-from shared.index import Index, Upsert
-from shared.plan import same_rotation
-from shared.readahead import read_ahead
-from shared.store import Checkpoint, LiveSchedule, Store
+from shared.contract import keys
+from shared.postgres import db
+from shared.postgres.store import Checkpoint, LiveSchedule, Store
+from shared.redis.index import Index, Upsert
+from shared.rules import compact, rotation
+from shared.rules.plan import same_rotation
+from shared.runtime import metrics, transient
+from shared.runtime.config import SweeperSettings
+from shared.runtime.readahead import read_ahead
 
 log = logging.getLogger(__name__)
 

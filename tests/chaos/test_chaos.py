@@ -23,7 +23,9 @@ import redis.asyncio as aioredis
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import codec, netpolicy, schedule, timefmt
+from shared.contract import codec, timefmt
+from shared.policy import netpolicy
+from shared.rules import schedule
 from tests.support import private, services
 from tests.support.stack import Stack
 

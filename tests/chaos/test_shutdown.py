@@ -23,7 +23,8 @@ import pytest
 from cronbus.client import CommandClient
 from cronbus.procs import SERVICES
 from cronbus.sink import Sink
-from shared import codec, netpolicy
+from shared.contract import codec
+from shared.policy import netpolicy
 from tests.support import private, services
 from tests.support import stack as stack_support
 from tests.support.stack import Proc, Stack

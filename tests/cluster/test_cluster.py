@@ -12,10 +12,13 @@ import pytest
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
 from services.sweeper.sweeper import Sweeper
-from shared import compact, index, keys, netpolicy
-from shared.config import CommonSettings, SweeperSettings
-from shared.index import Completion, Index, Upsert
-from shared.plan import IntervalRule, Plan, WebhookPlan
+from shared.contract import keys
+from shared.policy import netpolicy
+from shared.redis import index
+from shared.redis.index import Completion, Index, Upsert
+from shared.rules import compact
+from shared.rules.plan import IntervalRule, Plan, WebhookPlan
+from shared.runtime.config import CommonSettings, SweeperSettings
 from tests.support import cluster, services
 from tests.support.stack import Stack
 

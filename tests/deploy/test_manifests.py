@@ -3,8 +3,8 @@
 Both overlays are rendered with the kubectl the dev extras install next to the venv's Python.
 Built-in objects are validated strictly against the newest Kubernetes schemas that
 kubernetes-validate ships; custom resources (Prometheus Operator, KEDA) are checked field by
-field. Then the objects are held against the code: the settings classes of shared/config.py,
-the metrics of shared/metrics.py, the service entry points and the `cronbus` subcommands.
+field. Then the objects are held against the code: the settings classes of shared/runtime/config.py,
+the metrics of shared/runtime/metrics.py, the service entry points and the `cronbus` subcommands.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import pytest
 import yaml
 
 from cronbus.cli import build_parser
-from shared import keys
-from shared.config import (
+from shared.contract import keys
+from shared.runtime.config import (
     CommonSettings,
     ConsoleSettings,
     DispatcherSettings,
@@ -278,7 +278,7 @@ def exported_names(kind: str, name: str) -> set[str]:
 
 @functools.cache
 def metric_catalogue() -> frozenset[str]:
-    """Every series name the metrics of shared/metrics.py export."""
+    """Every series name the metrics of shared/runtime/metrics.py export."""
     tree = ast.parse((ROOT / "shared" / "metrics.py").read_text())
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -309,7 +309,7 @@ def unknown_metrics(expr: str) -> list[str]:
     if not names:
         return [f"selects no metric by name: {expr!r}"]
     return [
-        f"{name!r} is not a metric of shared/metrics.py"
+        f"{name!r} is not a metric of shared/runtime/metrics.py"
         for name in sorted(names - metric_catalogue())
     ]
 
@@ -328,7 +328,7 @@ def test_the_promql_reader_finds_metric_names() -> None:
         "cronbus_dependency_up",
         "up",
     }
-    assert unknown_metrics(expr) == ["'up' is not a metric of shared/metrics.py"]
+    assert unknown_metrics(expr) == ["'up' is not a metric of shared/runtime/metrics.py"]
     assert unknown_metrics("rate(cronbus_fire_lateness_seconds[5m])") != []
     assert unknown_metrics("cronbus_dead") != []
     assert unknown_metrics('{__name__="cronbus_dead_total"}') != []

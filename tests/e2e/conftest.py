@@ -9,7 +9,7 @@ import pytest
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import netpolicy
+from shared.policy import netpolicy
 from tests.support import services
 from tests.support.stack import Stack
 

@@ -12,8 +12,9 @@ from typing import Any
 
 from cronbus.client import CommandClient
 from cronbus.sink import Received, Sink
-from shared import schedule, timefmt
-from shared.index import Index
+from shared.contract import timefmt
+from shared.redis.index import Index
+from shared.rules import schedule
 from tests.e2e.test_operations import cli, get_until
 from tests.e2e.test_triggers import wait_until
 from tests.integration.test_console import _client as console_client

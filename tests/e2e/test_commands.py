@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import codec, keys
+from shared.contract import codec, keys
 from tests.support import services
 from tests.support.stack import Stack
 

@@ -14,7 +14,9 @@ from aio_pika.abc import AbstractQueue
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import codec, keys, schedule, timefmt, tracing
+from shared.contract import codec, keys, timefmt
+from shared.policy import tracing
+from shared.rules import schedule
 from tests.support.stack import Stack
 
 

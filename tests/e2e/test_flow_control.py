@@ -10,7 +10,8 @@ import aio_pika
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import amqp, keys, timefmt
+from shared.contract import keys, timefmt
+from shared.rabbitmq import amqp
 from tests.support.stack import Stack
 
 

@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 
 from cronbus.sink import Sink
-from shared import bulk, codec, netpolicy, timefmt, validation
-from shared.index import Index
-from shared.store import Store
+from shared.contract import codec, timefmt, validation
+from shared.policy import netpolicy
+from shared.postgres import bulk
+from shared.postgres.store import Store
+from shared.redis.index import Index
 from tests.support.stack import Stack
 
 HERD = 1500

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cronbus.client import CommandClient
-from shared import amqp, codec, keys
+from shared.contract import codec, keys
+from shared.rabbitmq import amqp
 from tests.support import services
 from tests.support.stack import Stack
 

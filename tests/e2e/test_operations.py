@@ -14,7 +14,7 @@ from typing import Any
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import codec, timefmt
+from shared.contract import codec, timefmt
 from tests.e2e.test_firing import events_queue
 from tests.support.stack import Stack
 

@@ -13,7 +13,7 @@ import pytest
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import timefmt
+from shared.contract import timefmt
 from tests.support.stack import Stack
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from cronbus.client import CommandClient
 from cronbus.procs import ServiceProcess
 from cronbus.sink import Sink
-from shared import schedule, timefmt
+from shared.contract import timefmt
+from shared.rules import schedule
 from tests.support import services
 from tests.support.stack import Stack
 

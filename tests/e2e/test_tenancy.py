@@ -20,7 +20,9 @@ import standardwebhooks
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import amqp, codec, keys, tracing
+from shared.contract import codec, keys
+from shared.policy import tracing
+from shared.rabbitmq import amqp
 from tests.e2e.test_firing import events_queue
 from tests.support.hostile import HostileServer
 from tests.support.stack import Proc, Stack

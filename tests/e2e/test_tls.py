@@ -18,9 +18,10 @@ import asyncpg
 import pytest
 import redis.exceptions
 
-from shared import index, keys
-from shared.config import CommonSettings
-from shared.store import Store
+from shared.contract import keys
+from shared.postgres.store import Store
+from shared.redis import index
+from shared.runtime.config import CommonSettings
 from tests.support import private, services, tls
 from tests.support.stack import Stack
 

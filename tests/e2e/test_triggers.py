@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import keys, schedule, timefmt
+from shared.contract import keys, timefmt
+from shared.rules import schedule
 from tests.support import services
 from tests.support.stack import Stack
 

@@ -10,8 +10,8 @@ import pytest
 from aio_pika.abc import AbstractRobustConnection
 
 from cronbus.sink import Sink
-from shared import amqp
-from shared.store import Store
+from shared.postgres.store import Store
+from shared.rabbitmq import amqp
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ from urllib.parse import unquote
 
 import pytest
 
-from shared import amqp, transient
+from shared.rabbitmq import amqp
+from shared.runtime import transient
 from tests.support import services
 
 

@@ -7,7 +7,7 @@ import asyncio
 import asyncpg
 
 from services.executor.audit import AuditWriter
-from shared.store import Checkpoint, ExecutionRow, Store
+from shared.postgres.store import Checkpoint, ExecutionRow, Store
 
 
 def row(i: int) -> ExecutionRow:

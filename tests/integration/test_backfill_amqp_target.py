@@ -8,8 +8,10 @@ import asyncio
 import aio_pika
 
 from services.executor.targets import AmqpTargets
-from shared import compact, delivery, index, keys, schedule, timefmt
-from shared.plan import AmqpPlan, IntervalRule, Plan
+from shared.contract import delivery, keys, timefmt
+from shared.redis import index
+from shared.rules import compact, schedule
+from shared.rules.plan import AmqpPlan, IntervalRule, Plan
 
 NOMINAL = timefmt.parse_rfc3339_ms("2027-01-01T10:00:00Z")
 

@@ -7,9 +7,11 @@ import random
 
 from services.executor import settle
 from services.executor.settle import Outcome
-from shared import compact, delivery, index, keys, schedule
-from shared.plan import IntervalRule, Plan, RetryRule, WebhookPlan
-from shared.store import Store
+from shared.contract import delivery, keys
+from shared.postgres.store import Store
+from shared.redis import index
+from shared.rules import compact, schedule
+from shared.rules.plan import IntervalRule, Plan, RetryRule, WebhookPlan
 
 MINUTE = 60_000
 AT = 1_800_000_000_000  # a whole minute

@@ -13,10 +13,10 @@ from aio_pika.abc import AbstractRobustConnection
 
 from services.dispatcher.intake import Intake, Meta, Received
 from services.sweeper.sweeper import Sweeper
-from shared import codec, keys, timefmt
-from shared.config import DispatcherSettings, SweeperSettings
-from shared.index import Completion, Index
-from shared.store import BackfillProgress, Checkpoint, Store
+from shared.contract import codec, keys, timefmt
+from shared.postgres.store import BackfillProgress, Checkpoint, Store
+from shared.redis.index import Completion, Index
+from shared.runtime.config import DispatcherSettings, SweeperSettings
 from tests.conftest import SHARDS
 from tests.integration.conftest import no_wake
 

@@ -10,9 +10,12 @@ import asyncpg
 import pytest
 from asyncpg.transaction import Transaction
 
-from shared import bulk, codec, compact, keys, netpolicy, timefmt, validation
-from shared.index import Index
-from shared.store import Store
+from shared.contract import codec, keys, timefmt, validation
+from shared.policy import netpolicy
+from shared.postgres import bulk
+from shared.postgres.store import Store
+from shared.redis.index import Index
+from shared.rules import compact
 
 NOW = int(time.time() * 1000)
 

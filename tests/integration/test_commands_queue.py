@@ -8,7 +8,8 @@ from urllib.parse import unquote, urlsplit
 
 import aio_pika
 
-from shared import amqp, keys
+from shared.contract import keys
+from shared.rabbitmq import amqp
 from tests.support import services
 
 

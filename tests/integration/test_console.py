@@ -14,10 +14,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from services.console.readmodel import ReadModel
 from services.console.web import CSRF_COOKIE, Console
-from shared import compact, keys, models, validation
-from shared.config import ConsoleSettings
-from shared.index import Index
-from shared.store import ExecutionRow, NewScheduleRow, Store
+from shared.contract import keys, models, validation
+from shared.postgres.store import ExecutionRow, NewScheduleRow, Store
+from shared.redis.index import Index
+from shared.rules import compact
+from shared.runtime.config import ConsoleSettings
 
 HOSTILE = '<script>alert("x")</script>'
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from shared.index import Index
-from shared.store import Store
+from shared.postgres.store import Store
+from shared.redis.index import Index
 from tests.integration.test_console import _client, _row, _seed
 
 

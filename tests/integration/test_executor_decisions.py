@@ -16,10 +16,14 @@ from services.executor.events import Events
 from services.executor.executor import Executor
 from services.executor.http import HttpClient
 from services.executor.targets import AmqpTargets, Webhooks
-from shared import amqp, bulk, codec, delivery, keys, netpolicy, schedule, validation
-from shared.config import ExecutorSettings
-from shared.index import Index
-from shared.store import Store
+from shared.contract import codec, delivery, keys, validation
+from shared.policy import netpolicy
+from shared.postgres import bulk
+from shared.postgres.store import Store
+from shared.rabbitmq import amqp
+from shared.redis.index import Index
+from shared.rules import schedule
+from shared.runtime.config import ExecutorSettings
 
 
 async def executor_with_clock(

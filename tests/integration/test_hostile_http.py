@@ -17,7 +17,7 @@ from services.executor.http import (
     HttpClient,
     HttpError,
 )
-from shared import netpolicy
+from shared.policy import netpolicy
 from tests.support.hostile import HostileServer
 
 LOOPBACK = netpolicy.AddressPolicy.from_text(netpolicy.LOOPBACK)

@@ -6,10 +6,12 @@ import time
 
 import asyncpg
 
-from shared import bulk, codec, netpolicy, stats, timefmt, validation
-from shared.index import Index
-from shared.sql import QUERIES
-from shared.store import Connection, ExecutionRow, Store, stats_arguments
+from shared.contract import codec, timefmt, validation
+from shared.policy import netpolicy, stats
+from shared.postgres import bulk
+from shared.postgres.sql import QUERIES
+from shared.postgres.store import Connection, ExecutionRow, Store, stats_arguments
+from shared.redis.index import Index
 
 NOW = int(time.time() * 1000)
 LOCAL = validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK)

@@ -9,7 +9,7 @@ import pytest
 
 from cronbus.sink import Sink
 from services.executor.http import MAX_DRAIN, HttpClient, HttpError, parse_url
-from shared import netpolicy
+from shared.policy import netpolicy
 
 LOOPBACK = netpolicy.AddressPolicy.from_text(netpolicy.LOOPBACK)
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -14,10 +14,10 @@ from aio_pika.abc import AbstractRobustConnection
 
 from services.dispatcher import batch
 from services.dispatcher.intake import Intake, Meta, Received
-from shared import codec, validation
-from shared.config import DispatcherSettings
-from shared.index import Index
-from shared.store import CommandAudit, Store
+from shared.contract import codec, validation
+from shared.postgres.store import CommandAudit, Store
+from shared.redis.index import Index
+from shared.runtime.config import DispatcherSettings
 from tests.conftest import SHARDS
 from tests.integration.conftest import no_wake
 

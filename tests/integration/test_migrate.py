@@ -12,7 +12,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from shared import db
+from shared.postgres import db
 from tests.support import services
 
 CATALOG = """

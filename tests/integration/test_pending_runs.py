@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared import schedule
-from shared.store import ExecutionRow, PendingRun, Store
+from shared.postgres.store import ExecutionRow, PendingRun, Store
+from shared.rules import schedule
 
 AT = 1_800_000_000_000  # a whole second
 

@@ -11,7 +11,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from shared import schedule, signing
+from shared.policy import signing
+from shared.rules import schedule
 from tests.support import services
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()

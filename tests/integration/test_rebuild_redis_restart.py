@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from services.sweeper.sweeper import Sweeper
-from shared import index as index_module
-from shared import keys
-from shared.config import SweeperSettings
-from shared.index import Index
-from shared.store import Store
+from shared.contract import keys
+from shared.postgres.store import Store
+from shared.redis import index as index_module
+from shared.redis.index import Index
+from shared.runtime.config import SweeperSettings
 from tests.conftest import SHARDS
 from tests.integration.test_sweeper import every, load, members
 from tests.support.private import PrivateRedis

@@ -9,11 +9,13 @@ from typing import Any
 import asyncpg
 import pytest
 
-from shared import bulk, codec, db, netpolicy, validation
-from shared.index import Index
-from shared.models import MAX_PRIORITY
-from shared.sql import QUERIES
-from shared.store import ABOVE_ANY_PRIORITY, Connection, Store
+from shared.contract import codec, validation
+from shared.contract.models import MAX_PRIORITY
+from shared.policy import netpolicy
+from shared.postgres import bulk, db
+from shared.postgres.sql import QUERIES
+from shared.postgres.store import ABOVE_ANY_PRIORITY, Connection, Store
+from shared.redis.index import Index
 from tests.support import services
 
 LOCAL = validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK)

@@ -15,10 +15,13 @@ from cronbus.sink import Sink
 from services.dispatcher import batch
 from services.dispatcher.intake import Intake
 from services.sweeper.sweeper import TOMBSTONE_KEEP_MS, Sweeper
-from shared import amqp, bulk, codec, delivery, netpolicy, timefmt, validation
-from shared.config import DispatcherSettings, SweeperSettings
-from shared.index import Claimed, Index
-from shared.store import CommandAudit, Store
+from shared.contract import codec, delivery, timefmt, validation
+from shared.policy import netpolicy
+from shared.postgres import bulk
+from shared.postgres.store import CommandAudit, Store
+from shared.rabbitmq import amqp
+from shared.redis.index import Claimed, Index
+from shared.runtime.config import DispatcherSettings, SweeperSettings
 from tests.conftest import SHARDS
 from tests.integration.test_executor_decisions import claim_one, executor_with_clock
 

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 
 from services.dispatcher.leases import ShardLeases
-from shared.index import Index
+from shared.redis.index import Index
 from tests.conftest import SHARDS
 
 

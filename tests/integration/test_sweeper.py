@@ -14,11 +14,14 @@ from redis.asyncio.lock import Lock
 
 from services.sweeper import sweeper as sweeper_module
 from services.sweeper.sweeper import Sweeper
-from shared import bulk, codec, compact, db, keys, netpolicy, timefmt, validation
-from shared.config import SweeperSettings
-from shared.index import Index, Upsert
-from shared.plan import IntervalRule
-from shared.store import Checkpoint, PendingRun, Store
+from shared.contract import codec, keys, timefmt, validation
+from shared.policy import netpolicy
+from shared.postgres import bulk, db
+from shared.postgres.store import Checkpoint, PendingRun, Store
+from shared.redis.index import Index, Upsert
+from shared.rules import compact
+from shared.rules.plan import IntervalRule
+from shared.runtime.config import SweeperSettings
 from tests.conftest import SHARDS
 
 NOW = int(time.time() * 1000)

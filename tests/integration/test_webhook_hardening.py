@@ -12,9 +12,10 @@ import pytest
 from services.executor.http import HttpClient
 from services.executor.secrets import SecretHeaders
 from services.executor.targets import Webhooks
-from shared import netpolicy, schedule
-from shared.delivery import Occurrence
-from shared.plan import IntervalRule, Plan, WebhookPlan
+from shared.contract.delivery import Occurrence
+from shared.policy import netpolicy
+from shared.rules import schedule
+from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 
 Reply = Callable[[bytes], bytes]
 

@@ -10,8 +10,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from shared import models, timefmt
-from shared.plan import Plan, plan_of
+from shared.contract import models, timefmt
+from shared.rules.plan import Plan, plan_of
 
 NAMESPACE = "ledger"
 KINDS = ("cron", "cron_tz", "interval", "after_completion", "once")

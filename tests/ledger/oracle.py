@@ -3,7 +3,7 @@
 Inputs are plain records: each schedule's rotations (the plan and when the upsert that started
 it was sent and answered), its pauses, delete and triggers (each command's send and reply
 times), the fault windows, and every request the sink received. Nominal times come from the
-project's own pure math (``shared.schedule``, ``shared.cron``); nothing here does I/O.
+project's own pure math (``shared.rules.schedule``, ``shared.rules.cron``); nothing here does I/O.
 
 Every occurrence of a schedule is one of:
 
@@ -39,8 +39,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared import keys, schedule
-from shared.plan import AfterCompletionRule, OnceRule, Plan
+from shared.contract import keys
+from shared.rules import schedule
+from shared.rules.plan import AfterCompletionRule, OnceRule, Plan
 
 #: A first attempt later than this (ms) from its due time marks a backlog window.
 LATE_MS = 500

@@ -21,7 +21,8 @@ from typing import Any
 
 from cronbus.client import CommandClient
 from cronbus.sink import Sink
-from shared import codec, keys, schedule, timefmt
+from shared.contract import codec, keys, timefmt
+from shared.rules import schedule
 from tests.ledger import faults, mix, oracle
 from tests.ledger import sink as ledger_sink
 from tests.support import private

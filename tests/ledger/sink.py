@@ -16,7 +16,7 @@ status answered and when the answer went out.
 from __future__ import annotations
 
 from cronbus.sink import Received, Sink
-from shared import timefmt
+from shared.contract import timefmt
 from tests.ledger import oracle
 
 SLOW_S = 1.2

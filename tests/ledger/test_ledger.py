@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from cronbus.sink import Sink
-from shared import netpolicy
+from shared.policy import netpolicy
 from tests.ledger import report, run
 from tests.ledger import sink as ledger_sink
 from tests.support import private, services

@@ -8,7 +8,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import schedule, timefmt
+from shared.contract import timefmt
+from shared.rules import schedule
 from tests.ledger import mix, oracle
 
 NS = "ledger"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from shared.index import BackfillStart, Claimed, ClaimResult, Completion, Index, Upsert
+from shared.redis.index import BackfillStart, Claimed, ClaimResult, Completion, Index, Upsert
 from tests.lua.test_scripts import LEASE_MS, NOW, add, plan
 
 MEMBER = "ns/s"

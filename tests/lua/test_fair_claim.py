@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.index import Index
+from shared.redis.index import Index
 from tests.lua.test_scripts import LEASE_MS, NOW, plan
 
 

@@ -3,7 +3,7 @@ circuit breakers, deferrals that keep the attempt."""
 
 from __future__ import annotations
 
-from shared.index import Index, occ_state
+from shared.redis.index import Index, occ_state
 from tests.lua.test_scripts import LEASE_MS, NOW, add
 
 KEY = "acme|http://127.0.0.1:80"

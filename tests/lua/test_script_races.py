@@ -4,9 +4,9 @@ written twice (drift repair and the intake)."""
 
 from __future__ import annotations
 
-from shared import compact
-from shared.index import Index, Upsert
-from shared.plan import IntervalRule, Plan, WebhookPlan
+from shared.redis.index import Index, Upsert
+from shared.rules import compact
+from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 
 NOW = 1_800_000_000_000
 

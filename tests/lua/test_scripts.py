@@ -8,10 +8,12 @@ import re
 import pytest
 import redis.asyncio as aioredis
 
-from shared import compact, keys, lua
-from shared.errors import StaleWriteError
-from shared.index import Completion, Index, Upsert, occ_state
-from shared.plan import IntervalRule, Plan, WebhookPlan
+from shared.contract import keys
+from shared.contract.errors import StaleWriteError
+from shared.redis import lua
+from shared.redis.index import Completion, Index, Upsert, occ_state
+from shared.rules import compact
+from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 from tests.support import services
 
 NOW = 1_800_000_000_000

@@ -6,9 +6,17 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import backfill, cron, schedule, timefmt
-from shared.exclusion import CronExclusion, RangeExclusion
-from shared.plan import AfterCompletionRule, CronRule, IntervalRule, OnceRule, Plan, WebhookPlan
+from shared.contract import timefmt
+from shared.rules import backfill, cron, schedule
+from shared.rules.exclusion import CronExclusion, RangeExclusion
+from shared.rules.plan import (
+    AfterCompletionRule,
+    CronRule,
+    IntervalRule,
+    OnceRule,
+    Plan,
+    WebhookPlan,
+)
 
 T = timefmt.parse_rfc3339_ms
 TARGET = WebhookPlan("http://sink/x")

@@ -7,9 +7,11 @@ import random
 
 from services.executor import settle, targets
 from services.executor.settle import Outcome
-from shared import compact, delivery, index, keys, schedule, timefmt
-from shared.exclusion import CronExclusion
-from shared.plan import IntervalRule, MisfireRule, Plan, WebhookPlan
+from shared.contract import delivery, keys, timefmt
+from shared.redis import index
+from shared.rules import compact, schedule
+from shared.rules.exclusion import CronExclusion
+from shared.rules.plan import IntervalRule, MisfireRule, Plan, WebhookPlan
 
 MINUTE = 60_000
 NOMINAL = timefmt.parse_rfc3339_ms("2027-01-01T10:00:00Z")

@@ -7,8 +7,8 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import backoff
-from shared.plan import RetryRule
+from shared.rules import backoff
+from shared.rules.plan import RetryRule
 
 rules = st.builds(
     RetryRule,

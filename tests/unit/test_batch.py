@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.dispatcher import batch
-from shared import models, timefmt, validation
-from shared.errors import ValidationFailed
+from shared.contract import models, timefmt, validation
+from shared.contract.errors import ValidationFailed
 
 NOW = timefmt.parse_rfc3339_ms("2027-01-01T00:00:00Z")
 

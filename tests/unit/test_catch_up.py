@@ -4,10 +4,10 @@ rebuild, or a drift repair) must be delivered, not judged again (DESIGN.md, seco
 from __future__ import annotations
 
 from services.executor import settle
-from shared import compact, rotation, schedule
-from shared.delivery import Occurrence
-from shared.index import split_tail
-from shared.plan import IntervalRule, MisfireRule, Plan, WebhookPlan
+from shared.contract.delivery import Occurrence
+from shared.redis.index import split_tail
+from shared.rules import compact, rotation, schedule
+from shared.rules.plan import IntervalRule, MisfireRule, Plan, WebhookPlan
 
 SECOND = 1000
 

@@ -7,9 +7,10 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import compact, models
-from shared.exclusion import CronExclusion, RangeExclusion
-from shared.plan import (
+from shared.contract import models
+from shared.rules import compact
+from shared.rules.exclusion import CronExclusion, RangeExclusion
+from shared.rules.plan import (
     AfterCompletionRule,
     AmqpPlan,
     CronRule,
@@ -34,7 +35,7 @@ headers = st.lists(
 
 
 def encoded_body(body: object) -> bytes | None:
-    from shared import codec  # noqa: PLC0415
+    from shared.contract import codec  # noqa: PLC0415
 
     return None if body is None else codec.dumps(body)
 

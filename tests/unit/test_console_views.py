@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.console import views, web
-from shared import models, plan, timefmt
+from shared.contract import models, timefmt
+from shared.rules import plan
 
 ids = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=8)
 

@@ -1,4 +1,4 @@
-"""Table tests for shared.cron: parsing, errors, and next fires in UTC and across DST changes.
+"""Table tests for shared.rules.cron: parsing, errors, and next fires in UTC and across DST changes.
 
 Every expected instant below was worked out from the zone's offsets by hand and cross-checked
 against a PEP 495 brute-force model; they are written as literals on purpose.
@@ -12,7 +12,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from shared.cron import (
+from shared.rules.cron import (
     SEARCH_HORIZON_YEARS,
     CronError,
     CronExpr,

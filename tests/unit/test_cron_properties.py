@@ -1,4 +1,4 @@
-"""Property tests for shared.cron: generated expressions, instants 2000-2090, several zones."""
+"""Property tests for shared.rules.cron: generated expressions, instants 2000-2090, zones."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from croniter import croniter
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from shared.cron import CronError, CronExpr, next_fire_ms, parse
+from shared.rules.cron import CronError, CronExpr, next_fire_ms, parse
 
 SETTINGS = settings(max_examples=200, deadline=None)
 

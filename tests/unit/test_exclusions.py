@@ -8,10 +8,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import exclusion, models, schedule, timefmt, validation
-from shared.errors import ValidationFailed
-from shared.exclusion import CronExclusion, RangeExclusion
-from shared.plan import AfterCompletionRule, CronRule, IntervalRule, OnceRule, Plan, WebhookPlan
+from shared.contract import models, timefmt, validation
+from shared.contract.errors import ValidationFailed
+from shared.rules import exclusion, schedule
+from shared.rules.exclusion import CronExclusion, RangeExclusion
+from shared.rules.plan import (
+    AfterCompletionRule,
+    CronRule,
+    IntervalRule,
+    OnceRule,
+    Plan,
+    WebhookPlan,
+)
 from tests.unit.test_preview_cli import lines, preview
 
 T = timefmt.parse_rfc3339_ms

@@ -42,7 +42,7 @@ async def test_a_cancelled_waiter_gives_up_its_place_and_loses_no_slot() -> None
 
 
 def test_interleave_round_robins_namespaces_and_keeps_each_ones_order() -> None:
-    from shared import fairness  # noqa: PLC0415
+    from shared.policy import fairness  # noqa: PLC0415
 
     items = ["a/1", "a/2", "a/3", "b/1", "a/4", "c/1", "b/2"]
     assert fairness.interleave(items, fairness.namespace_of) == [

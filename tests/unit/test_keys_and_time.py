@@ -6,9 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import compact, delivery, keys, schedule, sql, timefmt
-from shared.index import Claimed
-from shared.plan import IntervalRule, Plan, WebhookPlan
+from shared.contract import delivery, keys, timefmt
+from shared.postgres import sql
+from shared.redis.index import Claimed
+from shared.rules import compact, schedule
+from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 
 
 def test_shard_keys_share_one_hash_tag() -> None:

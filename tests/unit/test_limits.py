@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import limits, models, plan, timefmt, validation
-from shared.errors import ValidationFailed
-from shared.plan import AmqpPlan, WebhookPlan
+from shared.contract import models, timefmt, validation
+from shared.contract.errors import ValidationFailed
+from shared.policy import limits
+from shared.rules import plan
+from shared.rules.plan import AmqpPlan, WebhookPlan
 
 NOW = timefmt.parse_rfc3339_ms("2027-01-01T00:00:00Z")
 CAP = 3_600_000

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import lua
+from shared.redis import lua
 
 
 def _tree(tmp_path: Path, libs: dict[str, str]) -> Path:

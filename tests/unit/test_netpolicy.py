@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import models, netpolicy, validation
-from shared.errors import ValidationFailed
+from shared.contract import models, validation
+from shared.contract.errors import ValidationFailed
+from shared.policy import netpolicy
 
 DEFAULT = netpolicy.AddressPolicy()
 #: Each network the contract names as denied unless allowed, with one of its addresses.

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.sweeper import pending
-from shared import keys
-from shared.store import PendingRun, PendingRunRow
+from shared.contract import keys
+from shared.postgres.store import PendingRun, PendingRunRow
 
 
 def row(state: str, kind: str = "trigger") -> PendingRunRow:

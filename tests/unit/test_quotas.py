@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import quotas
-from shared.errors import ConfigError
+from shared.contract.errors import ConfigError
+from shared.runtime import quotas
 
 
 def test_a_namespace_has_its_own_quota_or_the_default() -> None:

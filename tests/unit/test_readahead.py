@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.readahead import read_ahead
+from shared.runtime.readahead import read_ahead
 
 
 class Source:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import prometheus_client
 
-from shared import metrics
-from shared.config import (
+from shared.runtime import metrics
+from shared.runtime.config import (
     CommonSettings,
     ConsoleSettings,
     DispatcherSettings,

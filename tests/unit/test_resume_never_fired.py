@@ -9,8 +9,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import rotation, schedule
-from shared.plan import (
+from shared.rules import rotation, schedule
+from shared.rules.plan import (
     AfterCompletionRule,
     CronRule,
     IntervalRule,

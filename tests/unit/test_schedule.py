@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import schedule, timefmt
-from shared.plan import (
+from shared.contract import timefmt
+from shared.rules import schedule
+from shared.rules.plan import (
     AfterCompletionRule,
     CronRule,
     IntervalRule,

@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
-from shared import compact, models, plan, validation
-from shared.errors import ValidationFailed
+from shared.contract import models, validation
+from shared.contract.errors import ValidationFailed
+from shared.rules import compact, plan
 
 
 def upsert(secret_headers: Any, **target: Any) -> dict[str, Any]:

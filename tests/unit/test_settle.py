@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from services.executor import settle
-from shared import schedule
-from shared.delivery import Occurrence
-from shared.index import split_tail
-from shared.plan import IntervalRule, MisfireRule, Plan, WebhookPlan
+from shared.contract.delivery import Occurrence
+from shared.redis.index import split_tail
+from shared.rules import schedule
+from shared.rules.plan import IntervalRule, MisfireRule, Plan, WebhookPlan
 
 SECOND = 1000
 

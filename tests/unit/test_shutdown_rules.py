@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis import exceptions as redis_errors
 
-from shared import errors, service, transient
+from shared.contract import errors
+from shared.runtime import service, transient
 
 VHOST_CLOSED = aiormq.exceptions.InvalidFrameError(
     "Expected one of ['Connection.OpenOk'], got <Connection.Close object at 0x7f5ee7b6b3b0>"

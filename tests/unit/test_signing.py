@@ -11,7 +11,7 @@ import standardwebhooks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import signing
+from shared.policy import signing
 
 OLD = "whsec_" + base64.b64encode(b"o" * 32).decode()
 NEW = "whsec_" + base64.b64encode(b"n" * 24).decode()

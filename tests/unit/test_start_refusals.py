@@ -10,7 +10,7 @@ import sys
 import asyncpg
 import pytest
 
-from shared import transient
+from shared.runtime import transient
 
 
 @pytest.mark.parametrize(

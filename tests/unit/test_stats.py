@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import stats, validation
-from shared.errors import ValidationFailed
-from shared.store import ExecutionRow
+from shared.contract import validation
+from shared.contract.errors import ValidationFailed
+from shared.policy import stats
+from shared.postgres.store import ExecutionRow
 
 
 def row(status: str, attempts: int = 1, started: int = 0, **kw: object) -> ExecutionRow:

@@ -7,7 +7,8 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import schedule, tracing
+from shared.policy import tracing
+from shared.rules import schedule
 
 TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]\Z")
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import models, timefmt, validation
-from shared import schedule as schedule_math
-from shared.errors import ValidationFailed
+from shared.contract import models, timefmt, validation
+from shared.contract.errors import ValidationFailed
+from shared.rules import schedule as schedule_math
 
 NOW = timefmt.parse_rfc3339_ms("2026-11-22T12:00:00Z")
 

@@ -1,0 +1,5 @@
+"""Per-target and per-tenant policies: rate limits, breakers, fairness, the network policy,
+signing, stats, tracing ids.
+
+Pure: nothing here does I/O.
+"""

@@ -1,0 +1,1 @@
+"""PostgreSQL, the source of truth: migrations, named queries, the store, bulk import (I/O)."""

@@ -1,0 +1,886 @@
+"""PostgreSQL, the source of truth: schedules, the command audit, executions and checkpoints.
+
+Only this module runs queries (all of them named, in ``shared/postgres/sql/queries.sql``). Writes on
+the firing path (executions, checkpoints) always go in batches: one statement per batch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import asyncpg
+
+from shared.contract import codec, keys, timefmt
+from shared.contract.errors import StoreError
+from shared.postgres.sql import QUERIES
+
+#: Above every value of the integer column ``priority``: the rebuild's walk starts below it.
+ABOVE_ANY_PRIORITY = 2**31
+
+#: A connection, pooled or not.
+Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+
+
+Row = TypeVar("Row")
+
+
+def _latest(
+    rows: Sequence[Row], key: Callable[[Row], Hashable], rank: Callable[[Row], int]
+) -> list[Row]:
+    """One row per key, the highest ranked (a statement may not touch a row twice)."""
+    latest: dict[Hashable, Row] = {}
+    for row in rows:
+        kept = latest.get(key(row))
+        if kept is None or rank(kept) <= rank(row):
+            latest[key(row)] = row
+    return list(latest.values())
+
+
+def _json_text(value: dict[str, Any] | bytes) -> str:
+    return (value if isinstance(value, bytes) else codec.dumps(value)).decode()
+
+
+def _ms(value: dt.datetime | None) -> int | None:
+    return None if value is None else timefmt.datetime_to_ms(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRow:
+    namespace: str
+    id: str
+    version: int
+    state: str
+    definition: dict[str, Any]
+    compact: bytes
+    priority: int
+    labels: dict[str, str]
+    fires: int
+    last_fire_ms: int | None
+    next_fire_ms: int | None
+    created_ms: int
+    updated_ms: int
+    #: Occurrences its running backfill has left as PostgreSQL keeps them (read by get only).
+    backfill_remaining: int | None = None
+
+    @classmethod
+    def of(cls, record: asyncpg.Record) -> ScheduleRow:
+        return cls(
+            namespace=record["namespace"],
+            id=record["id"],
+            version=record["version"],
+            state=record["state"],
+            definition=record["definition"],
+            compact=bytes(record["compact"]),
+            priority=record["priority"],
+            labels=record["labels"],
+            fires=record["fires"],
+            last_fire_ms=_ms(record["last_fire_at"]),
+            next_fire_ms=_ms(record["next_fire_at"]),
+            created_ms=_ms(record["created_at"]) or 0,
+            updated_ms=_ms(record["updated_at"]) or 0,
+            backfill_remaining=(
+                record["backfill_remaining"]
+                if "backfill_remaining" in record.keys()  # noqa: SIM118 - not a mapping
+                else None
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NewScheduleRow:
+    namespace: str
+    id: str
+    version: int
+    state: str
+    #: The definition as an object, or already encoded as JSON.
+    definition: dict[str, Any] | bytes
+    compact: bytes
+    priority: int
+    labels: dict[str, str]
+    fires: int = 0
+    last_fire_ms: int | None = None
+    next_fire_ms: int | None = None
+    #: The version, when this write starts a new rotation (checkpoints of older rotations are
+    #: refused from then on); None when the rotation goes on.
+    rotation_version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommandAudit:
+    namespace: str | None
+    verb: str | None
+    schedule_id: str | None
+    outcome: str
+    body: Any = None
+    error: dict[str, Any] | None = None
+    version: int | None = None
+    user_id: str | None = None
+    app_id: str | None = None
+    message_id: str | None = None
+    correlation_id: str | None = None
+    reply: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedCommand:
+    """What the audit kept of an applied command: enough to tell a replay from a conflict."""
+
+    verb: str
+    body: Any
+    reply: dict[str, Any]
+
+
+#: Longest text kept in an audit column (ids and AMQP properties are far shorter when honest).
+AUDIT_TEXT_MAX = 1000
+
+
+def _audit_text(value: str | None) -> str | None:
+    if value is None:
+        return None
+    return value.replace("\x00", "\ufffd")[:AUDIT_TEXT_MAX]
+
+
+def _audit_json(value: Any) -> Any:
+    """``value`` as JSON that jsonb accepts: a NUL escape (``\\u0000``) becomes U+FFFD."""
+    if value is None:
+        return None
+    try:
+        encoded = codec.dumps(value)
+    except TypeError:  # nested too deep to encode: validation refuses it; the audit drops it
+        return None
+    if b"\\u0000" in encoded:
+        encoded = encoded.replace(b"\\u0000", b"\\ufffd")
+    return codec.Fragment(encoded)
+
+
+def _as_json(value: dict[str, Any] | bytes) -> Any:
+    return codec.Fragment(value) if isinstance(value, bytes) else value
+
+
+def _audit_columns(audits: Sequence[CommandAudit]) -> list[list[Any]]:
+    """Audit rows as the column arrays of an unnest (sanitized as ``record_command`` does)."""
+    return [
+        [_audit_text(a.namespace) for a in audits],
+        [_audit_text(a.verb) for a in audits],
+        [_audit_text(a.schedule_id) for a in audits],
+        [_audit_text(a.user_id) for a in audits],
+        [_audit_text(a.app_id) for a in audits],
+        [_audit_text(a.message_id) for a in audits],
+        [_audit_text(a.correlation_id) for a in audits],
+        [_audit_json(a.body) for a in audits],
+        [_audit_text(a.outcome) for a in audits],
+        [_audit_json(a.error) for a in audits],
+        [a.version for a in audits],
+        [_audit_json(a.reply) for a in audits],
+    ]
+
+
+@dataclass(slots=True)
+class ExecutionRow:
+    namespace: str
+    id: str
+    nominal_ms: int
+    is_trigger: bool
+    attempts: int
+    #: succeeded | retrying | dead | skipped
+    status: str
+    http_status: int | None
+    error: str | None
+    idempotency_key: str
+    started_ms: int
+    finished_ms: int
+    #: Excluded times (``spec.exclude``) the rotation stepped over after this occurrence.
+    excluded: int = 0
+    #: A backfilled delivery (``ns/id#b``): its own row beside the regular occurrence's.
+    is_backfill: bool = False
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    namespace: str
+    id: str
+    last_fire_ms: int
+    next_fire_ms: int | None
+    fires: int
+    finished: bool = False
+    #: The version of the schedule the occurrence ran under: a checkpoint from before a
+    #: change that restarted the rotation is refused (see ``write_checkpoints``).
+    version: int = 0
+
+
+#: Statuses after which an occurrence is never attempted again.
+FINAL_STATUSES = frozenset({"succeeded", "dead"})
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRun:
+    """An occurrence outside the rotation, kept in PostgreSQL until its run completes.
+
+    ``kind`` is ``trigger`` (a ``backfill`` kind is reserved for backfilled occurrences).
+    """
+
+    namespace: str
+    id: str
+    kind: str
+    nominal_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRunRow:
+    """A pending run with what the index needs of its (not deleted) schedule."""
+
+    run: PendingRun
+    version: int
+    state: str
+    compact: bytes
+
+    @classmethod
+    def of(cls, record: asyncpg.Record) -> PendingRunRow:
+        return cls(
+            PendingRun(record["namespace"], record["id"], record["kind"], record["nominal_ms"]),
+            record["version"],
+            record["state"],
+            bytes(record["compact"]),
+        )
+
+
+def finished_runs(rows: Sequence[ExecutionRow]) -> list[PendingRun]:
+    """The pending runs these execution rows complete: triggers that succeeded or died."""
+    return [
+        PendingRun(r.namespace, r.id, "trigger", r.nominal_ms)
+        for r in rows
+        if r.is_trigger and r.status in FINAL_STATUSES
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Backfill:
+    """A schedule's running backfill as PostgreSQL keeps it."""
+
+    namespace: str
+    id: str
+    generation: int
+    from_ms: int
+    to_ms: int
+    limit: int
+    #: The nominal time of the occurrence due or in flight.
+    next_ms: int
+    #: Occurrences left to deliver, that one included.
+    remaining: int
+
+
+@dataclass(frozen=True, slots=True)
+class LiveBackfill:
+    """What the index needs of a kept backfill (the rebuild, drift repair)."""
+
+    namespace: str
+    id: str
+    generation: int
+    to_ms: int
+    next_ms: int
+    remaining: int
+    paused: bool
+
+    @classmethod
+    def of(cls, record: asyncpg.Record) -> LiveBackfill:
+        return cls(
+            record["namespace"],
+            record["id"],
+            record["generation"],
+            record["to_ms"],
+            record["next_ms"],
+            record["remaining"],
+            record["state"] == "paused",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BackfillProgress:
+    """A backfill occurrence completed: its backfill goes on at ``next_ms`` with
+    ``remaining`` left, or ends (``remaining`` 0)."""
+
+    namespace: str
+    id: str
+    generation: int
+    next_ms: int | None
+    remaining: int
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSchedule:
+    """What a rebuild (or drift repair) needs of one schedule."""
+
+    namespace: str
+    id: str
+    version: int
+    state: str
+    compact: bytes
+    fires: int
+    last_fire_ms: int | None
+    next_fire_ms: int | None
+
+    @classmethod
+    def of(cls, record: asyncpg.Record) -> LiveSchedule:
+        return cls(
+            record["namespace"],
+            record["id"],
+            record["version"],
+            record["state"],
+            bytes(record["compact"]),
+            record["fires"],
+            record["last_fire_ms"],
+            record["next_fire_ms"],
+        )
+
+
+async def _init_connection(conn: Connection) -> None:
+    for kind in ("json", "jsonb"):
+        await conn.set_type_codec(
+            kind,
+            encoder=lambda value: codec.dumps(value).decode(),
+            decoder=codec.loads,
+            schema="pg_catalog",
+        )
+
+
+@dataclass
+class Store:
+    pool: asyncpg.Pool
+
+    @classmethod
+    async def open(cls, url: str, *, min_size: int = 1, max_size: int = 8) -> Store:
+        pool = await asyncpg.create_pool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            init=_init_connection,
+            command_timeout=30,
+        )
+        assert pool is not None
+        return cls(pool)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def ping(self) -> None:
+        await self.pool.fetchval("SELECT 1")
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Connection]:
+        async with self.pool.acquire() as conn, conn.transaction():
+            yield conn
+
+    # --- schedules ----------------------------------------------------------------------------
+
+    async def lock_schedule(
+        self, conn: Connection, namespace: str, schedule_id: str
+    ) -> ScheduleRow | None:
+        record = await conn.fetchrow(QUERIES["lock_schedule"], namespace, schedule_id)
+        return None if record is None else ScheduleRow.of(record)
+
+    async def lock_schedules(
+        self, conn: Connection, namespace: str, ids: Sequence[str]
+    ) -> dict[str, ScheduleRow]:
+        records = await conn.fetch(QUERIES["lock_schedules"], namespace, list(ids))
+        return {record["id"]: ScheduleRow.of(record) for record in records}
+
+    async def put_schedules(
+        self, conn: Connection, rows: Sequence[NewScheduleRow], *, fenced: bool = False
+    ) -> int:
+        """Create or replace many schedules: one COPY into a staging table, one statement.
+        Returns how many were written: ``fenced``, a row is replaced only from an older version
+        (a creation that raced the caller's look at the table is left as it is)."""
+        await conn.execute(QUERIES["create_schedule_staging"])
+        await conn.copy_records_to_table(
+            "schedule_staging",
+            records=[
+                (
+                    r.namespace,
+                    r.id,
+                    r.version,
+                    r.state,
+                    _json_text(r.definition),
+                    r.compact,
+                    r.priority,
+                    codec.dumps(r.labels).decode(),
+                    r.fires,
+                    r.last_fire_ms,
+                    r.next_fire_ms,
+                    r.rotation_version,
+                )
+                for r in rows
+            ],
+        )
+        status = await conn.execute(QUERIES["put_staged_schedules"], fenced)
+        return int(status.rsplit(" ", 1)[-1])
+
+    async def get_schedule(self, namespace: str, schedule_id: str) -> ScheduleRow | None:
+        record = await self.pool.fetchrow(QUERIES["get_schedule"], namespace, schedule_id)
+        return None if record is None else ScheduleRow.of(record)
+
+    async def get_schedules_and_audit(
+        self, members: Sequence[tuple[str, str]], audits: Sequence[CommandAudit]
+    ) -> dict[tuple[str, str], ScheduleRow]:
+        """Many schedules by (namespace, id), writing the gets' audit rows: one round trip."""
+        records = await self.pool.fetch(
+            QUERIES["get_schedules_and_audit"],
+            [ns for ns, _ in members],
+            [i for _, i in members],
+            *_audit_columns(audits),
+        )
+        return {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records}
+
+    async def put_schedule(self, conn: Connection, row: NewScheduleRow) -> ScheduleRow:
+        record = await conn.fetchrow(
+            QUERIES["put_schedule"],
+            row.namespace,
+            row.id,
+            row.version,
+            row.state,
+            codec.loads(row.definition) if isinstance(row.definition, bytes) else row.definition,
+            row.compact,
+            row.priority,
+            row.labels,
+            row.fires,
+            row.last_fire_ms,
+            row.next_fire_ms,
+            row.rotation_version,
+        )
+        if record is None:
+            raise StoreError("put_schedule returned no row")
+        return ScheduleRow.of(record)
+
+    async def list_schedules(
+        self,
+        namespace: str,
+        *,
+        state: str | None,
+        labels: dict[str, str],
+        after_id: str,
+        limit: int,
+    ) -> list[ScheduleRow]:
+        records = await self.pool.fetch(
+            QUERIES["list_schedules"], namespace, state, labels, after_id, limit
+        )
+        return [ScheduleRow.of(record) for record in records]
+
+    async def record_command(self, audit: CommandAudit, conn: Connection | None = None) -> None:
+        """One audit row. Whatever a hostile command carried, the row can be stored: text loses
+        its NULs (PostgreSQL refuses them) and long values are cut."""
+        target: Any = conn if conn is not None else self.pool
+        await target.execute(
+            QUERIES["record_command"],
+            _audit_text(audit.namespace),
+            _audit_text(audit.verb),
+            _audit_text(audit.schedule_id),
+            _audit_text(audit.user_id),
+            _audit_text(audit.app_id),
+            _audit_text(audit.message_id),
+            _audit_text(audit.correlation_id),
+            _audit_json(audit.body),
+            _audit_text(audit.outcome),
+            _audit_json(audit.error),
+            audit.version,
+            _audit_json(audit.reply),
+        )
+
+    async def lock_schedule_keys(
+        self, conn: Connection, members: Sequence[tuple[str, str]]
+    ) -> tuple[int, dict[tuple[str, str], ScheduleRow]]:
+        """The transaction's now() (ms) and the schedules of any namespaces, locked in key order
+        (no deadlock between batches)."""
+        namespaces, ids = [ns for ns, _ in members], [i for _, i in members]
+        await conn.execute(QUERIES["lock_schedule_key_names"], namespaces, ids)
+        # A statement of its own: its snapshot shows a creation committed while waiting.
+        records = await conn.fetch(QUERIES["lock_schedule_keys"], namespaces, ids)
+        rows = {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records if r["id"]}
+        return int(records[0]["txn_now_ms"]), rows
+
+    async def put_schedules_and_audit(
+        self, conn: Connection, rows: Sequence[NewScheduleRow], audits: Sequence[CommandAudit]
+    ) -> None:
+        """Group commit's writes: the schedules and the audit rows, in one statement."""
+        await conn.execute(
+            QUERIES["put_schedules_and_audit"],
+            [r.namespace for r in rows],
+            [r.id for r in rows],
+            [r.version for r in rows],
+            [r.state for r in rows],
+            [_as_json(r.definition) for r in rows],
+            [r.compact for r in rows],
+            [r.priority for r in rows],
+            [r.labels for r in rows],
+            [r.fires for r in rows],
+            [r.last_fire_ms for r in rows],
+            [r.next_fire_ms for r in rows],
+            [r.rotation_version for r in rows],
+            *_audit_columns(audits),
+        )
+
+    async def lock_message_ids(self, conn: Connection, members: Sequence[tuple[str, str]]) -> None:
+        """Hold (namespace, message_id) until the transaction ends, for a replay check after."""
+        if members:
+            wanted = sorted(set(members))
+            await conn.execute(
+                QUERIES["lock_message_ids"], [ns for ns, _ in wanted], [m for _, m in wanted]
+            )
+
+    async def command_recorded(self, message_id: str, conn: Connection | None = None) -> bool:
+        """Whether a committed audit row carries ``message_id``."""
+        target: Any = conn if conn is not None else self.pool
+        return bool(await target.fetchval(QUERIES["command_recorded"], message_id))
+
+    async def applied_commands(
+        self, conn: Connection, members: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], AppliedCommand]:
+        """(namespace, message_id) -> the command already applied under it, for each given."""
+        wanted = set(members)
+        if not wanted:
+            return {}
+        records = await conn.fetch(QUERIES["applied_commands"], sorted({mid for _, mid in wanted}))
+        return {
+            (r["namespace"], r["message_id"]): AppliedCommand(r["verb"], r["body"], r["reply"])
+            for r in records
+            if (r["namespace"], r["message_id"]) in wanted
+        }
+
+    async def applied_command(self, namespace: str, message_id: str) -> AppliedCommand | None:
+        """The command already applied under this message id in ``namespace``, if any."""
+        record = await self.pool.fetchrow(QUERIES["applied_command"], namespace, message_id)
+        if record is None:
+            return None
+        return AppliedCommand(record["verb"], record["body"], record["reply"])
+
+    async def execution_exists(
+        self, namespace: str, schedule_id: str, nominal_ms: int, *, is_trigger: bool = False
+    ) -> bool:
+        return bool(
+            await self.pool.fetchval(
+                QUERIES["execution_exists"], namespace, schedule_id, nominal_ms, is_trigger
+            )
+        )
+
+    # --- pending runs (outside the rotation, durable until they complete) ---------------------
+
+    async def add_pending_run(self, conn: Connection, run: PendingRun) -> bool:
+        """False when that very run is pending already (nothing written)."""
+        added = await conn.fetchval(
+            QUERIES["add_pending_run"], run.namespace, run.id, run.kind, run.nominal_ms
+        )
+        return added is not None
+
+    async def drop_pending_runs(
+        self, conn: Connection, namespace: str, schedule_id: str
+    ) -> list[PendingRun]:
+        records = await conn.fetch(QUERIES["drop_pending_runs"], namespace, schedule_id)
+        return [PendingRun(r["namespace"], r["id"], r["kind"], r["nominal_ms"]) for r in records]
+
+    async def pending_run_exists(self, run: PendingRun) -> bool:
+        return bool(
+            await self.pool.fetchval(
+                QUERIES["pending_run_exists"], run.namespace, run.id, run.kind, run.nominal_ms
+            )
+        )
+
+    async def live_pending_runs(self, batch: int) -> AsyncIterator[list[PendingRunRow]]:
+        """Every pending run of a schedule that is not deleted, ``batch`` rows at a time."""
+        async with self.pool.acquire() as conn, conn.transaction(readonly=True):
+            chunk: list[PendingRunRow] = []
+            async for record in conn.cursor(QUERIES["live_pending_runs"], prefetch=batch):
+                chunk.append(PendingRunRow.of(record))
+                if len(chunk) >= batch:
+                    yield chunk
+                    chunk = []
+            if chunk:
+                yield chunk
+
+    async def old_pending_runs(self, before_ms: int, limit: int) -> list[PendingRunRow]:
+        """Pending runs accepted before ``before_ms``, oldest first, at most ``limit``."""
+        records = await self.pool.fetch(QUERIES["old_pending_runs"], before_ms, limit)
+        return [PendingRunRow.of(record) for record in records]
+
+    # --- backfills (durable until they complete) -----------------------------------------------
+
+    async def next_backfill_generation(
+        self, conn: Connection, namespace: str, schedule_id: str, now_ms: int
+    ) -> int:
+        """Newer than the schedule's running backfill's (call under the schedule's row lock)."""
+        return int(
+            await conn.fetchval(QUERIES["next_backfill_generation"], namespace, schedule_id, now_ms)
+        )
+
+    async def put_backfill(self, conn: Connection, backfill: Backfill) -> None:
+        """Start a backfill, replacing the schedule's; one with nothing left is dropped."""
+        if backfill.remaining <= 0:
+            await self.drop_backfill(conn, backfill.namespace, backfill.id)
+            return
+        await conn.execute(
+            QUERIES["put_backfill"],
+            backfill.namespace,
+            backfill.id,
+            backfill.generation,
+            backfill.from_ms,
+            backfill.to_ms,
+            backfill.limit,
+            backfill.next_ms,
+            backfill.remaining,
+        )
+
+    async def drop_backfill(self, conn: Connection, namespace: str, schedule_id: str) -> None:
+        await conn.execute(QUERIES["drop_backfill"], namespace, schedule_id)
+
+    async def write_backfill_progress(self, items: Sequence[BackfillProgress]) -> None:
+        """One statement for the backfills that go on, one for those that ended (the furthest
+        completion of each wins)."""
+        latest: dict[tuple[str, str, int], BackfillProgress] = {}
+        for item in items:
+            key = (item.namespace, item.id, item.generation)
+            if key not in latest or item.remaining < latest[key].remaining:
+                latest[key] = item
+        going = [p for p in latest.values() if p.remaining > 0 and p.next_ms is not None]
+        ended = [p for p in latest.values() if p.remaining <= 0 or p.next_ms is None]
+        if going:
+            await self.pool.execute(
+                QUERIES["advance_backfills"],
+                [p.namespace for p in going],
+                [p.id for p in going],
+                [p.generation for p in going],
+                [p.next_ms for p in going],
+                [p.remaining for p in going],
+            )
+        if ended:
+            await self.pool.execute(
+                QUERIES["end_backfills"],
+                [p.namespace for p in ended],
+                [p.id for p in ended],
+                [p.generation for p in ended],
+            )
+
+    async def live_backfills(self, batch: int) -> AsyncIterator[list[LiveBackfill]]:
+        """Every backfill of a schedule in rotation or paused, ``batch`` rows at a time."""
+        async with self.pool.acquire() as conn, conn.transaction(readonly=True):
+            chunk: list[LiveBackfill] = []
+            async for record in conn.cursor(QUERIES["live_backfills"], prefetch=batch):
+                chunk.append(LiveBackfill.of(record))
+                if len(chunk) >= batch:
+                    yield chunk
+                    chunk = []
+            if chunk:
+                yield chunk
+
+    async def kept_backfill(self, namespace: str, schedule_id: str) -> LiveBackfill | None:
+        """The schedule's running backfill (None: none, or the schedule is not live)."""
+        record = await self.pool.fetchrow(QUERIES["kept_backfill"], namespace, schedule_id)
+        return None if record is None else LiveBackfill.of(record)
+
+    async def old_backfills(self, before_ms: int, limit: int) -> list[LiveBackfill]:
+        """Backfills started before ``before_ms``, oldest first, at most ``limit``."""
+        records = await self.pool.fetch(QUERIES["old_backfills"], before_ms, limit)
+        return [LiveBackfill.of(record) for record in records]
+
+    # --- the firing path (batched) ------------------------------------------------------------
+
+    async def write_executions(self, rows: Sequence[ExecutionRow]) -> None:
+        """One statement for the whole batch; the latest attempt of an occurrence wins.
+
+        Runs outside the rotation that these rows complete stop being pending in the same
+        transaction (a second statement only when the batch completes any).
+        """
+        batch = _latest(
+            rows,
+            lambda r: (r.namespace, r.id, r.nominal_ms, r.is_trigger, r.is_backfill),
+            lambda r: r.attempts,
+        )
+        done = finished_runs(batch)
+        if not done:
+            await self._write_executions(self.pool, batch)
+            return
+        async with self.transaction() as conn:
+            await self._write_executions(conn, batch)
+            await conn.execute(
+                QUERIES["finish_pending_runs"],
+                [r.namespace for r in done],
+                [r.id for r in done],
+                [r.kind for r in done],
+                [r.nominal_ms for r in done],
+            )
+
+    async def _write_executions(self, target: Any, batch: Sequence[ExecutionRow]) -> None:
+        await target.execute(
+            QUERIES["write_executions"],
+            [r.namespace for r in batch],
+            [r.id for r in batch],
+            [r.nominal_ms for r in batch],
+            [r.is_trigger for r in batch],
+            [r.attempts for r in batch],
+            [r.status for r in batch],
+            [r.http_status for r in batch],
+            [r.error for r in batch],
+            [r.idempotency_key for r in batch],
+            [r.started_ms for r in batch],
+            [r.finished_ms for r in batch],
+            [r.is_backfill for r in batch],
+        )
+
+    async def write_checkpoints(self, rows: Sequence[Checkpoint]) -> None:
+        """One statement for the whole batch; the latest fire of a schedule wins."""
+        batch = _latest(rows, lambda c: (c.namespace, c.id), lambda c: c.last_fire_ms)
+        await self.pool.execute(
+            QUERIES["write_checkpoints"],
+            [c.namespace for c in batch],
+            [c.id for c in batch],
+            [c.last_fire_ms for c in batch],
+            [c.next_fire_ms for c in batch],
+            [c.fires for c in batch],
+            [c.finished for c in batch],
+            [c.version for c in batch],
+        )
+        finished = [c for c in batch if c.finished]
+        if finished:
+            # A schedule whose rotation is over takes its backfill with it (complete.lua).
+            await self.pool.execute(
+                QUERIES["end_backfills_of_schedules"],
+                [c.namespace for c in finished],
+                [c.id for c in finished],
+            )
+
+    async def write_stats(self, deltas: Sequence[Any]) -> None:
+        """Per-schedule stats deltas (``shared.policy.stats.Delta``), one statement a batch."""
+        await self.pool.execute(QUERIES["write_stats"], *stats_arguments(deltas))
+
+    async def schedule_stats(self, namespace: str, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """id -> its ``schedule_stats`` row, for the given schedules of a namespace."""
+        records = await self.pool.fetch(QUERIES["schedule_stats"], namespace, list(ids))
+        return {record["id"]: dict(record) for record in records}
+
+    async def count_live_schedules(self, conn: Connection, namespace: str) -> int:
+        """Live schedules of a namespace, holding its creation lock until the transaction ends."""
+        await conn.execute(QUERIES["lock_namespace_creations"], namespace)
+        # Counted in a new statement, so with a snapshot taken after the lock was granted.
+        record = await conn.fetchrow(QUERIES["count_live_schedules"], namespace)
+        return int(record["live"]) if record is not None else 0
+
+    async def reset_stats(self, conn: Connection, namespace: str, schedule_id: str) -> None:
+        await conn.execute(QUERIES["reset_stats"], namespace, schedule_id)
+
+    async def reset_stats_many(self, conn: Connection, members: Sequence[tuple[str, str]]) -> None:
+        if members:
+            await conn.execute(
+                QUERIES["reset_stats_many"], [ns for ns, _ in members], [i for _, i in members]
+            )
+
+    async def mark_paused_for_failures(
+        self, conn: Connection, namespace: str, schedule_id: str, version: int
+    ) -> None:
+        await conn.execute(QUERIES["mark_paused_for_failures"], namespace, schedule_id, version)
+
+    async def recent_executions(
+        self, namespace: str, schedule_id: str, limit: int
+    ) -> list[dict[str, Any]]:
+        records = await self.pool.fetch(QUERIES["recent_executions"], namespace, schedule_id, limit)
+        return [dict(record) for record in records]
+
+    async def analyze_schedules(self) -> None:
+        await self.pool.execute(QUERIES["analyze_schedules"])
+
+    async def live_schedules(self, batch: int) -> AsyncIterator[list[LiveSchedule]]:
+        """Every active or paused schedule, highest priority first, ``batch`` rows at a time.
+
+        Keyset pages, each its own short statement: one cursor over the whole table was planned
+        as a sort of every row when the table had no statistics (10,000,000 rows outlasted the
+        statement timeout, so a rebuild never started), and it held one snapshot for minutes,
+        which keeps vacuum and page pruning from the executors' checkpoint updates. A schedule a
+        command changes meanwhile may be read at its newer version or, if its priority moved to
+        one already read, not at all: the command wrote the index itself in both cases."""
+        # From above any integer, not above MAX_PRIORITY: the column has no such bound, and a
+        # row written past it (by hand, or by a release with wider bounds) must be rebuilt too.
+        priority = await self.pool.fetchval(QUERIES["live_priority_below"], ABOVE_ANY_PRIORITY)
+        while priority is not None:
+            after = ("", "")
+            while True:
+                records = await self.pool.fetch(
+                    QUERIES["live_schedules_page"], priority, *after, batch
+                )
+                if records:
+                    yield [LiveSchedule.of(record) for record in records]
+                if len(records) < batch:
+                    break
+                after = (records[-1]["namespace"], records[-1]["id"])
+            priority = await self.pool.fetchval(QUERIES["live_priority_below"], priority)
+
+    async def live_versions_after(
+        self, after: tuple[str, str], limit: int
+    ) -> list[tuple[str, str, int]]:
+        """(namespace, id, version) of at most ``limit`` active or paused schedules whose key
+        comes after ``after`` (``("", "")``: from the first), in key order."""
+        records = await self.pool.fetch(QUERIES["live_versions_after"], *after, limit)
+        return [(r["namespace"], r["id"], r["version"]) for r in records]
+
+    async def schedule_states(
+        self, members: Sequence[tuple[str, str]]
+    ) -> dict[str, tuple[str, int]]:
+        """``namespace/id`` -> (state, version), for those of these schedules that have a row."""
+        records = await self.pool.fetch(
+            QUERIES["schedule_states"], [ns for ns, _ in members], [i for _, i in members]
+        )
+        return {keys.member(r["namespace"], r["id"]): (r["state"], r["version"]) for r in records}
+
+    async def changed_schedules(
+        self, since_ms: int, batch: int
+    ) -> AsyncIterator[list[LiveSchedule]]:
+        """Schedules a command changed since ``since_ms``, ``batch`` rows at a time."""
+        async for chunk in self._stream(QUERIES["changed_schedules"], batch, since_ms):
+            yield chunk
+
+    async def _stream(
+        self, query: str, batch: int, *args: object
+    ) -> AsyncIterator[list[LiveSchedule]]:
+        """A server-side cursor: memory stays at one batch however many rows match."""
+        async with self.pool.acquire() as conn, conn.transaction(readonly=True):
+            chunk: list[LiveSchedule] = []
+            async for record in conn.cursor(query, *args, prefetch=batch):
+                chunk.append(LiveSchedule.of(record))
+                if len(chunk) >= batch:
+                    yield chunk
+                    chunk = []
+            if chunk:
+                yield chunk
+
+    async def clock_ms(self) -> int:
+        """PostgreSQL's clock, which stamps ``updated_at``."""
+        return int(await self.pool.fetchval(QUERIES["clock_ms"]))
+
+    async def index_generation(self) -> int:
+        """The generation the Redis index must be at (or ahead of)."""
+        return int(await self.pool.fetchval(QUERIES["index_generation"]))
+
+    async def advance_index_generation(self, generation: int) -> None:
+        await self.pool.execute(QUERIES["advance_index_generation"], generation)
+
+    async def schedule_versions(self, members: Sequence[tuple[str, str]]) -> list[LiveSchedule]:
+        records = await self.pool.fetch(
+            QUERIES["schedule_versions"], [ns for ns, _ in members], [i for _, i in members]
+        )
+        return [LiveSchedule.of(record) for record in records]
+
+
+def stats_arguments(deltas: Sequence[Any]) -> list[list[Any]]:
+    """write_stats's parameters: one array per column for a batch of ``stats.Delta``."""
+    return [
+        [d.namespace for d in deltas],
+        [d.id for d in deltas],
+        [d.fires for d in deltas],
+        [d.succeeded for d in deltas],
+        [d.failed for d in deltas],
+        [d.dead for d in deltas],
+        [d.skipped for d in deltas],
+        [d.excluded for d in deltas],
+        [d.trailing_dead for d in deltas],
+        [d.last_status for d in deltas],
+        [d.last_error for d in deltas],
+        [d.last_ms for d in deltas],
+    ]

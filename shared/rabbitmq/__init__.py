@@ -1,0 +1,1 @@
+"""RabbitMQ: connections and the topology every service declares (I/O)."""

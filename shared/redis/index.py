@@ -1,0 +1,570 @@
+"""The Redis index: typed calls of the Lua scripts, one shard at a time or pipelined.
+
+Only this module (and ``shared.redis.lua``) talks to Redis about schedules. Every call that can be
+batched is: one script call per shard carries many items, and calls for several shards go in
+one pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import hiredis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from shared.contract import keys
+from shared.redis import lua
+from shared.runtime.config import CommonSettings
+
+RedisClient = aioredis.Redis | RedisCluster
+UpsertMode = Literal["keep", "reset", "resume", "park"]
+
+
+class FastConnection(aioredis.Connection):
+    """Packs commands with hiredis (C) instead of redis-py's Python packer: the scripts take
+    thousands of arguments per call, and packing them was a tenth of a bulk import's time."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        first = args[0]
+        if isinstance(first, str) and " " in first:
+            args = (*first.split(), *args[1:])  # "SCRIPT LOAD" goes as two words
+        return [hiredis.pack_command(args)]
+
+
+def tls_options(settings: CommonSettings) -> dict[str, Any]:
+    """For a rediss:// URL (its scheme picks redis-py's SSL connection): the certificate and
+    the hostname are verified, against CRONBUS_REDIS_CA_FILE when one is given."""
+    if urlsplit(settings.redis_url).scheme != "rediss":
+        return {}
+    options: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
+    if settings.redis_ca_file:
+        options["ssl_ca_certs"] = settings.redis_ca_file
+    return options
+
+
+def connect(settings: CommonSettings) -> RedisClient:
+    """A client for the configured Redis (standalone or cluster); it reconnects by itself."""
+    options: dict[str, Any] = {
+        "socket_timeout": 10,
+        "socket_connect_timeout": 5,
+        "health_check_interval": 15,
+        "connection_class": FastConnection,
+    }
+    options.update(tls_options(settings))
+    if settings.redis_cluster:
+        return RedisCluster.from_url(settings.redis_url, **options)
+    return aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)
+
+
+#: Occurrence flag: a catch-up the misfire policy chose; it is delivered, never judged again.
+CATCH_UP_FLAG = "c"
+
+
+def occ_state(
+    nominal_ms: int, attempt: int = 1, token: int | str = "", fires: int = 0, flags: str = ""
+) -> str:
+    state = f"{nominal_ms}|{attempt}|{token}|{fires}"
+    return f"{state}|{flags}" if flags else state
+
+
+def resting_occ_state(
+    nominal_ms: int, fire_ms: int, fires: int, counts_fires: bool, catch_up: bool = False
+) -> str:
+    """The occ value a not-yet-claimed occurrence needs, or "" when the defaults say it all.
+
+    Most schedules rest with no occ entry at all (nominal = due score, attempt 1, no count),
+    which keeps Redis memory per idle schedule small.
+    """
+    if nominal_ms == fire_ms and not counts_fires and not catch_up:
+        return ""
+    return occ_state(nominal_ms, 1, "", fires, CATCH_UP_FLAG if catch_up else "")
+
+
+def split_tail(tail: str) -> tuple[int, bool]:
+    """The ``fires[|flags]`` end of an occurrence state -> (fires, chosen as a catch-up)."""
+    fires, _, flags = tail.partition("|")
+    return int(fires), CATCH_UP_FLAG in flags
+
+
+@dataclass(slots=True)
+class Claimed:
+    shard: int
+    member: str
+    fire_ms: int
+    nominal_ms: int
+    attempt: int
+    token: int
+    fires: int
+    #: The compact schedule as stored (see ``shared.rules.compact``).
+    plan: bytes
+    #: A catch-up chosen by the misfire policy: delivered however late it is claimed.
+    catch_up: bool = False
+
+
+@dataclass(slots=True)
+class ClaimResult:
+    shard: int
+    now_ms: int
+    #: Earliest fire time still waiting in the shard, None when it is empty.
+    next_due_ms: int | None
+    orphans: int
+    claimed: list[Claimed]
+    #: Due entries whose stored state did not parse (left in place, a minute on).
+    corrupt: int = 0
+    #: Due entries put back a moment because another occurrence of their schedule (regular
+    #: or backfill) is in flight.
+    waiting: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    member: str
+    token: int
+    next_fire_ms: int | None
+    next_occ: str = ""
+    #: The schedule is over (max_fires, end_at or a once): drop its stored copy.
+    finish: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BackfillStart:
+    """backfill.lua's input: the schedule ``member`` (``ns/id``) and its backfill's state."""
+
+    member: str
+    generation: int
+    to_ms: int
+    #: Occurrences left to deliver (0: none; a running backfill is dropped).
+    remaining: int
+    #: Nominal time of the first of them (None when ``remaining`` is 0). Whether the schedule
+    #: is paused, backfill.lua reads from the index itself.
+    first_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBackfill:
+    """A ``bf`` hash value: ``generation|to_ms|remaining|start|paused``."""
+
+    generation: int
+    to_ms: int
+    remaining: int
+    #: The first occurrence of a backfill waiting for an older one's in flight (None: started).
+    start_ms: int | None
+    paused: bool
+
+
+def parse_backfill(value: str) -> HeldBackfill:
+    generation, to_ms, remaining, start, paused = value.split("|")
+    return HeldBackfill(
+        int(generation), int(to_ms), int(remaining), int(start) if start else None, paused == "1"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Upsert:
+    member: str
+    version: int
+    plan: bytes
+    mode: UpsertMode
+    next_fire_ms: int | None
+    next_occ: str = ""
+
+
+def _opt(value: int | None) -> str | int:
+    return "" if value is None else value
+
+
+def _claimed(shard: int, row: list[Any]) -> Claimed:
+    fires, catch_up = split_tail(row[5].decode())
+    return Claimed(
+        shard=shard,
+        member=row[0].decode(),
+        fire_ms=int(row[1]),
+        nominal_ms=int(row[2]),
+        attempt=int(row[3]),
+        token=int(row[4]),
+        fires=fires,
+        plan=row[6],
+        catch_up=catch_up,
+    )
+
+
+def _parse_claim(shard: int, reply: list[Any]) -> ClaimResult:
+    next_due = int(reply[1])
+    claimed = [_claimed(shard, reply[i : i + 7]) for i in range(5, len(reply), 7)]
+    return ClaimResult(
+        shard,
+        int(reply[0]),
+        None if next_due < 0 else next_due,
+        int(reply[2]),
+        claimed,
+        int(reply[3]),
+        int(reply[4]),
+    )
+
+
+class Index:
+    """The sharded index under one key prefix."""
+
+    def __init__(self, client: RedisClient, redis_keys: keys.RedisKeys, shards: int) -> None:
+        self.client = client
+        self.keys = redis_keys
+        self.shards = shards
+
+    def shard_of(self, namespace: str, schedule_id: str) -> int:
+        return keys.shard_of(namespace, schedule_id, self.shards)
+
+    def _keys(self, shard: int, *roles: str) -> list[str]:
+        names = {
+            "due": self.keys.due,
+            "lease": self.keys.lease,
+            "occ": self.keys.occ,
+            "sched": self.keys.sched,
+            "seq": self.keys.seq,
+            "gone": self.keys.gone,
+            "bf": self.keys.backfill,
+        }
+        return [names[role](shard) for role in roles]
+
+    async def load_scripts(self) -> None:
+        await lua.load_all(self.client)
+
+    async def _pipeline(self, calls: Sequence[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        """Run script calls in one round trip; calls Redis did not know the script for are
+        loaded and run again (only those: the others have already taken effect)."""
+        if len(calls) == 1:
+            name, call_keys, args = calls[0]
+            return [await lua.call(self.client, name, call_keys, args)]
+        results = await self._execute(calls)
+        missing = [i for i, result in enumerate(results) if lua.is_noscript(result)]
+        if missing:
+            await lua.load_all(self.client)
+            again = await self._execute([calls[i] for i in missing])
+            for i, result in zip(missing, again, strict=True):
+                results[i] = result
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
+
+    async def _execute(self, calls: Sequence[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        if isinstance(self.client, RedisCluster):
+            # redis-py does not pipeline EVALSHA on a cluster: the calls go concurrently
+            # instead, each to the node that owns its shard's slot.
+            return list(
+                await asyncio.gather(
+                    *(
+                        lua.call(self.client, name, call_keys, args)
+                        for name, call_keys, args in calls
+                    ),
+                    return_exceptions=True,
+                )
+            )
+        pipe = self.client.pipeline(transaction=False)
+        for name, call_keys, args in calls:
+            lua.queue(pipe, name, call_keys, args)
+        return list(await pipe.execute(raise_on_error=False))
+
+    # --- dispatcher -------------------------------------------------------------------------
+
+    async def claim(
+        self, shards: Iterable[int], limit: int, lease_ms: int, now_ms: int | None = None
+    ) -> list[ClaimResult]:
+        order = list(shards)
+        calls = [
+            (
+                "claim",
+                self._keys(s, "due", "lease", "occ", "sched", "seq", "bf"),
+                [limit, lease_ms, _opt(now_ms)],
+            )
+            for s in order
+        ]
+        replies = await self._pipeline(calls)
+        return [_parse_claim(s, reply) for s, reply in zip(order, replies, strict=True)]
+
+    # --- executor ---------------------------------------------------------------------------
+
+    async def begin(
+        self, items: dict[int, list[tuple[str, int, int]]], now_ms: int | None = None
+    ) -> tuple[int, dict[int, list[int]]]:
+        """Per shard, (member, token, hold_ms) -> 1 current (lease held) or 0 stale; with the
+        Redis clock (ms) at the call, for misfire decisions."""
+        calls = [
+            (
+                "begin",
+                self._keys(s, "lease", "occ"),
+                [_opt(now_ms), *[v for item in batch for v in item]],
+            )
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        now = max((int(r[0]) for r in replies), default=0)
+        return now, {s: [int(c) for c in r[1:]] for s, r in zip(items, replies, strict=True)}
+
+    async def complete(
+        self, items: dict[int, list[Completion]], now_ms: int | None = None
+    ) -> dict[int, list[int]]:
+        """Per shard, 1 completed or 0 stale for each completion."""
+        calls = []
+        for shard, batch in items.items():
+            args: list[Any] = [_opt(now_ms)]
+            for c in batch:
+                args += [c.member, c.token, _opt(c.next_fire_ms), c.next_occ, int(c.finish)]
+            calls.append(
+                ("complete", self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf"), args)
+            )
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def retry(
+        self, items: dict[int, list[tuple[str, int, int]]], now_ms: int | None = None
+    ) -> dict[int, list[int]]:
+        """Per shard, (member, token, delay_ms) -> 1 rescheduled or 0 stale."""
+        calls = [
+            (
+                "retry",
+                self._keys(s, "due", "lease", "occ"),
+                [_opt(now_ms), *[v for item in batch for v in item]],
+            )
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def count_failures(self, items: dict[int, list[tuple[str, str]]]) -> dict[int, list[int]]:
+        """Per shard, (member, 'dead' | 'clear') -> consecutive dead occurrences after the call."""
+        calls = [
+            ("failures", [self.keys.fails(s)], [v for item in batch for v in item])
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def gate(
+        self,
+        items: Sequence[tuple[str, float, int, int]],
+        breaker_failures: int,
+        max_reserve_ms: int,
+        now_ms: int | None = None,
+    ) -> list[tuple[int, int, int]]:
+        """(rate key, interval ms or 0, burst, probe ms) -> (code, ms, flags) per delivery:
+        one gate.lua call for the batch (see the script for the codes)."""
+        call_keys: list[str] = []
+        args: list[Any] = [_opt(now_ms), breaker_failures, max_reserve_ms]
+        for rate_key, interval, burst, probe_ms in items:
+            call_keys += self.keys.rate(rate_key)
+            args += [f"{interval:.3f}", burst, probe_ms]
+        reply = await lua.call(self.client, "gate", call_keys, args)
+        return [
+            (int(reply[i]), int(reply[i + 1]), int(reply[i + 2])) for i in range(0, len(reply), 3)
+        ]
+
+    async def report(
+        self,
+        items: Sequence[tuple[str, bool, int | None]],
+        breaker_failures: int,
+        cooldown_ms: int,
+        idle_ms: int,
+        now_ms: int | None = None,
+    ) -> list[int]:
+        """(rate key, ok, retry_after ms) -> 0 no change, 1 breaker closed, 2 breaker opened."""
+        call_keys: list[str] = []
+        args: list[Any] = [_opt(now_ms), breaker_failures, cooldown_ms, idle_ms]
+        for rate_key, ok, retry_after in items:
+            _, hold, breaker = self.keys.rate(rate_key)
+            call_keys += [hold, breaker]
+            args += [int(ok), _opt(retry_after)]
+        return [int(code) for code in await lua.call(self.client, "report", call_keys, args)]
+
+    async def breaker_state(self, rate_key: str) -> tuple[int, int, int, int]:
+        """(consecutive failures, open until ms, probe until ms, hold until ms) of a rate key."""
+        _, hold, breaker = self.keys.rate(rate_key)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(breaker, ["fails", "open_until", "probe_until"])
+        pipe.get(hold)
+        (fails, open_until, probe_until), held = await pipe.execute()
+        return (
+            int(fails or 0),
+            int(float(open_until or 0)),
+            int(float(probe_until or 0)),
+            int(float(held or 0)),
+        )
+
+    async def defer(self, items: dict[int, list[tuple[str, int, int]]]) -> dict[int, list[int]]:
+        """Per shard, (member, token, at ms) -> 1 deferred (flagged catch-up) or 0 stale."""
+        calls = [
+            (
+                "defer",
+                self._keys(s, "due", "lease", "occ"),
+                [v for item in batch for v in item],
+            )
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def release(
+        self, items: dict[int, list[tuple[str, int]]], now_ms: int | None = None
+    ) -> dict[int, list[int]]:
+        """Per shard, (member, token) -> 1 released back to due or 0 stale."""
+        calls = [
+            (
+                "release",
+                self._keys(s, "due", "lease", "occ"),
+                [_opt(now_ms), *[v for item in batch for v in item]],
+            )
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    # --- sweeper ----------------------------------------------------------------------------
+
+    async def reclaim(
+        self, shards: Iterable[int], limit: int, now_ms: int | None = None
+    ) -> dict[int, tuple[int, int]]:
+        """Per shard, (reclaimed, dropped)."""
+        order = list(shards)
+        calls = [
+            ("reclaim", self._keys(s, "due", "lease", "occ", "sched"), [limit, _opt(now_ms)])
+            for s in order
+        ]
+        replies = await self._pipeline(calls)
+        return {s: (int(r[0]), int(r[1])) for s, r in zip(order, replies, strict=True)}
+
+    # --- intake and rebuild -----------------------------------------------------------------
+
+    async def upsert(self, items: dict[int, list[Upsert]]) -> dict[int, list[int]]:
+        """Per shard, 1 written or -1 stale (a newer version is stored) for each upsert."""
+        calls = []
+        for shard, batch in items.items():
+            args: list[Any] = []
+            for u in batch:
+                args += [u.member, u.version, u.plan, u.mode, _opt(u.next_fire_ms), u.next_occ]
+            calls.append(
+                ("upsert", self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf"), args)
+            )
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def remove(
+        self, items: dict[int, list[tuple[str, int | None]]], now_ms: int | None = None
+    ) -> dict[int, list[int]]:
+        """Per shard, (member, version or None) -> 1 removed, 0 absent, -1 newer stored.
+        Each removal leaves a tombstone of its version (see ``RedisKeys.gone``)."""
+        calls = [
+            (
+                "remove",
+                self._keys(s, "due", "lease", "occ", "sched", "gone", "bf"),
+                [_opt(now_ms), *[v for member, version in batch for v in (member, _opt(version))]],
+            )
+            for s, batch in items.items()
+        ]
+        replies = await self._pipeline(calls)
+        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+    async def own(
+        self,
+        shards: Iterable[int],
+        dispatcher_id: str,
+        ttl_ms: int,
+        mode: Literal["acquire", "renew", "release"],
+    ) -> dict[int, bool]:
+        """Per shard, whether ``dispatcher_id`` holds its lease after the call (own.lua)."""
+        order = list(shards)
+        calls = [("own", [self.keys.shard_owner(s)], [dispatcher_id, ttl_ms, mode]) for s in order]
+        replies = await self._pipeline(calls) if calls else []
+        return {s: bool(int(r)) for s, r in zip(order, replies, strict=True)}
+
+    async def forget(self, shard: int, tombstones: Sequence[tuple[str, bytes]]) -> int:
+        """Drop tombstones that still hold the value read (forget.lua); returns how many."""
+        args = [v for member, value in tombstones for v in (member, value)]
+        keys = [self.keys.gone(shard), self.keys.occ(shard)]
+        return int(await lua.call(self.client, "forget", keys, args))
+
+    async def wipe(self) -> None:
+        """Drop every shard's keys (an index found stale is rebuilt from scratch)."""
+        for shard in range(self.shards):
+            await self.client.unlink(
+                *self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf")
+            )
+
+    async def knows(self, shard: int, member: str) -> bool:
+        """Whether the member is due, in flight or has an occurrence state in the index."""
+        due, lease, occ = await self.position(shard, member)
+        return due is not None or lease is not None or occ is not None
+
+    async def start_backfill(self, shard: int, start: BackfillStart) -> bool:
+        """Start (or replace, or restore) a schedule's backfill (backfill.lua); False when a
+        generation at least as new is held already."""
+        args = [
+            start.member,
+            start.generation,
+            start.to_ms,
+            start.remaining,
+            _opt(start.first_ms),
+        ]
+        code = await lua.call(
+            self.client, "backfill", self._keys(shard, "due", "lease", "occ", "bf"), args
+        )
+        return bool(int(code))
+
+    async def backfill_remaining(self, shard: int, member: str) -> int | None:
+        """Occurrences the schedule's running backfill has left (None: it has none)."""
+        remaining, _ = await self.backfill_remaining_and_epoch(shard, member)
+        return remaining
+
+    async def backfill_remaining_and_epoch(
+        self, shard: int, member: str
+    ) -> tuple[int | None, bool]:
+        """``backfill_remaining`` and whether the index has its epoch (False: Redis lost its
+        data, or a rebuild has not finished), one round trip."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.backfill(shard), member)
+            pipe.exists(self.keys.epoch)
+            held, epoch = await pipe.execute()
+        if held is None:
+            return None, bool(epoch)
+        text = held.decode() if isinstance(held, bytes) else str(held)
+        return parse_backfill(text).remaining, bool(epoch)
+
+    async def backfill_generations(self, shard: int, members: Sequence[str]) -> list[int | None]:
+        """The generation of each schedule's running backfill (None: none), one round trip."""
+        if not members:
+            return []
+        values = await self.client.hmget(self.keys.backfill(shard), list(members))
+        return [
+            None
+            if v is None
+            else parse_backfill(v.decode() if isinstance(v, bytes) else v).generation
+            for v in values
+        ]
+
+    async def add_trigger(self, shard: int, member: str, fire_ms: int) -> None:
+        await self.client.zadd(self.keys.due(shard), {member: fire_ms}, nx=True)
+
+    # --- reads ------------------------------------------------------------------------------
+
+    async def stored_plan(self, shard: int, member: str) -> bytes | None:
+        value = await self.client.hget(self.keys.sched(shard), member)
+        return value.encode() if isinstance(value, str) else value
+
+    async def lease_count(self, shard: int) -> int:
+        return int(await self.client.zcard(self.keys.lease(shard)))
+
+    async def position(self, shard: int, member: str) -> tuple[int | None, int | None, str | None]:
+        """(due fire ms, lease deadline ms, occ value) of a member: for tests and ``get``."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zscore(self.keys.due(shard), member)
+        pipe.zscore(self.keys.lease(shard), member)
+        pipe.hget(self.keys.occ(shard), member)
+        due, lease, occ = await pipe.execute()
+        return (
+            None if due is None else int(due),
+            None if lease is None else int(lease),
+            None if occ is None else occ.decode(),
+        )

@@ -1,0 +1,209 @@
+"""Configuration from ``CRONBUS_*`` environment variables (pydantic-settings), per service.
+
+Every setting is documented in README's configuration table; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.contract.validation import TargetPolicy
+from shared.policy import netpolicy
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+class CommonSettings(BaseSettings):
+    """Settings every service reads."""
+
+    model_config = SettingsConfigDict(env_prefix="CRONBUS_", extra="ignore", frozen=True)
+
+    #: Redis (any node of a cluster when redis_cluster is set).
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Talk to a Redis Cluster: each shard's keys share a hash tag, so scripts touch one slot.
+    redis_cluster: bool = False
+    #: Prefix of every Redis key (side-by-side installs and tests use their own).
+    redis_prefix: str = Field(default="cronbus", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    #: CA bundle that signed the Redis server's certificate (rediss:// only); empty: the
+    #: system's trust store. The hostname is always verified.
+    redis_ca_file: str = ""
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    database_url: str = "postgresql://postgres@127.0.0.1:5432/cronbus"
+    #: Logical shards of the index; fixed at install (changing it needs a rebuild).
+    shards: int = Field(default=16, ge=1, le=1024)
+    #: Port of /metrics, /healthz and /readyz (0: any free port, logged at start).
+    metrics_port: int = Field(default=9100, ge=0, le=65535)
+    #: How long a claimed occurrence may stay in flight before the sweeper reclaims it.
+    lease_s: float = Field(default=30, gt=0, le=3600)
+    #: How often the sweeper reclaims expired leases and checks the index.
+    sweep_interval_s: float = Field(default=5, gt=0, le=3600)
+    #: On SIGTERM, how long a service may take to finish what it holds.
+    shutdown_grace_s: float = Field(default=20, ge=0, le=600)
+    #: Apply pending database migrations when the service starts.
+    migrate_on_start: bool = True
+    #: OpenTelemetry collector (OTLP over HTTP, e.g. http://otel-collector:4318) that receives
+    #: claim, publish, deliver and settle spans; empty: no export (and no cost).
+    otlp_endpoint: str = ""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    #: json: one JSON object per line; text: for people at a terminal.
+    log_format: Literal["json", "text"] = "json"
+    #: JSON file of per-namespace quotas (see shared.runtime.quotas); empty: no quotas.
+    quotas_file: str = ""
+
+    @field_validator("redis_url", "amqp_url", "database_url")
+    @classmethod
+    def _ports_are_numbers(cls, value: str) -> str:
+        # The drivers would fail at start with a traceback; the message must not repeat the
+        # URL (it may hold a password).
+        hosts = value.partition("://")[2].partition("/")[0].rpartition("@")[2]
+        for host in hosts.split(","):  # PostgreSQL takes several hosts
+            port = host.rpartition(":")[2] if ":" in host and not host.endswith("]") else ""
+            if port and not (port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError("the port must be a number from 1 to 65535")
+        return value
+
+
+class WebhookPolicySettings(CommonSettings):
+    """Where webhooks may go: checked at upsert (literal addresses, host globs) by the
+    dispatcher, and at every delivery (every resolved address) by the executor."""
+
+    #: Comma-separated host globs webhook targets may call.
+    webhook_allowed_hosts: str = "*"
+    #: Comma-separated CIDRs of restricted addresses (loopback, private, link-local, ...)
+    #: webhooks may reach nevertheless; empty: none.
+    webhook_allowed_networks: str = ""
+    #: Comma-separated CIDRs webhooks may never reach, even when allowed above.
+    webhook_denied_networks: str = ""
+
+    @field_validator("webhook_allowed_networks", "webhook_denied_networks")
+    @classmethod
+    def _networks_parse(cls, value: str) -> str:
+        netpolicy.parse_networks(_csv(value))
+        return value
+
+    def allowed_hosts(self) -> tuple[str, ...]:
+        return _csv(self.webhook_allowed_hosts)
+
+    def address_policy(self) -> netpolicy.AddressPolicy:
+        return netpolicy.AddressPolicy.from_text(
+            _csv(self.webhook_allowed_networks), _csv(self.webhook_denied_networks)
+        )
+
+
+class DispatcherSettings(WebhookPolicySettings):
+    """The dispatcher service: command intake and claiming due occurrences."""
+
+    metrics_port: int = Field(default=9101, ge=0, le=65535)
+    #: Most occurrences one claim.lua call takes from a shard.
+    claim_batch: int = Field(default=1000, ge=1, le=10_000)
+    #: Most occurrences carried by one message on cronbus.deliveries.
+    delivery_batch: int = Field(default=100, ge=1, le=1000)
+    #: Stop claiming while cronbus.deliveries holds more ready messages than this: overload
+    #: waits in Redis; a short queue is also cheaper for the broker to run.
+    deliveries_high_water: int = Field(default=50, ge=1)
+    #: Longest sleep between claims when nothing is due sooner.
+    max_sleep_s: float = Field(default=1.0, gt=0, le=60)
+    #: Lease of a dispatcher on the shards it claims from; several dispatchers split the
+    #: shards and a dead one's are taken over after this long (0: claim from every shard).
+    shard_lease_s: float = Field(default=5, ge=0, le=300)
+    #: Unacknowledged commands the intake works on at once.
+    commands_prefetch: int = Field(default=512, ge=1, le=10_000)
+    #: Most upserts written in one PostgreSQL transaction (group commit).
+    commands_batch: int = Field(default=500, ge=1, le=10_000)
+    #: Group commits under way at once (each holds a PostgreSQL connection).
+    commands_commit_workers: int = Field(default=2, ge=1, le=32)
+    #: Largest command body accepted; a larger one is refused with code too_large.
+    max_command_bytes: int = Field(default=262_144, ge=1024, le=64 * 1024 * 1024)
+    #: Comma-separated exchange globs AMQP targets may publish to.
+    amqp_allowed_exchanges: str = "*"
+    #: Largest JSON body a target may carry.
+    max_body_bytes: int = Field(default=65_536, ge=0)
+
+    def target_policy(self) -> TargetPolicy:
+        return TargetPolicy(
+            allowed_hosts=_csv(self.webhook_allowed_hosts),
+            denied_networks=_csv(self.webhook_denied_networks),
+            allowed_networks=_csv(self.webhook_allowed_networks),
+            allowed_exchanges=_csv(self.amqp_allowed_exchanges),
+            max_body_bytes=self.max_body_bytes,
+        )
+
+
+class ExecutorSettings(WebhookPolicySettings):
+    """The executor service: delivering occurrences and rescheduling the next ones."""
+
+    metrics_port: int = Field(default=9102, ge=0, le=65535)
+    #: Delivery messages held unacknowledged at once.
+    prefetch: int = Field(default=64, ge=1, le=65_535)
+    #: Deliveries (HTTP calls or publishes) in flight at once.
+    concurrency: int = Field(default=512, ge=1, le=100_000)
+    #: Open HTTP connections per target host.
+    http_connections_per_host: int = Field(default=256, ge=1)
+    #: Webhook calls in flight, and idle keep-alive connections kept, across all hosts.
+    http_connections_total: int = Field(default=1024, ge=1)
+    #: An idle keep-alive connection is closed after this long.
+    http_idle_s: float = Field(default=15, gt=0, le=3600)
+    #: JSON file: namespace (or "*") -> list of "whsec_..." secrets webhooks are signed with
+    #: (Standard Webhooks); re-read when it changes. Empty: deliveries are not signed.
+    signing_secrets_file: str = ""
+    #: Directory of secrets named by target.secret_headers: <dir>/<namespace>/<name>.
+    secrets_dir: str = ""
+    #: Longest wait before completions are written to Redis in a batch.
+    complete_flush_ms: int = Field(default=5, ge=0, le=10_000)
+    #: Longest wait before execution rows are written to PostgreSQL in a batch.
+    audit_flush_ms: int = Field(default=500, ge=1, le=60_000)
+    #: Execution rows kept in memory while PostgreSQL is away; when full, consuming pauses.
+    audit_buffer_max: int = Field(default=200_000, ge=1000)
+    #: Which outcomes go to cronbus.events: all, failures (failed, dead) or none.
+    events: Literal["all", "failures", "none"] = "all"
+    #: Longest hold a Retry-After (of a 429 or 503) puts on its rate key.
+    max_retry_after_s: float = Field(default=3600, ge=0, le=86_400)
+    #: Consecutive failed attempts to a rate key that open its circuit breaker.
+    breaker_failures: int = Field(default=20, ge=1, le=1_000_000)
+    #: How long an open breaker holds its rate key before one probe is let through.
+    breaker_cooldown_s: float = Field(default=30, gt=0, le=86_400)
+    #: Namespaces that get their own label in per-namespace metrics; the rest are 'other'.
+    metrics_max_namespaces: int = Field(default=100, ge=0, le=10_000)
+
+
+class SweeperSettings(CommonSettings):
+    """The sweeper service: reclaiming leases, rebuilding the index, drift repair, retention."""
+
+    metrics_port: int = Field(default=9103, ge=0, le=65535)
+    #: Most leases one reclaim.lua call takes from a shard.
+    reclaim_batch: int = Field(default=1000, ge=1, le=100_000)
+    #: Schedules written to Redis per pipeline during a rebuild.
+    rebuild_batch: int = Field(default=2000, ge=1, le=100_000)
+    #: How often schedules changed recently are compared between PostgreSQL and the index.
+    drift_check_interval_s: float = Field(default=30, gt=0)
+    #: How often every schedule and index entry is compared (a full scan).
+    drift_full_interval_s: float = Field(default=900, gt=0)
+    #: Executions older than this many days are dropped (a whole day partition at a time).
+    retention_days: int = Field(default=7, ge=1, le=3650)
+    #: Daily execution partitions created ahead of time.
+    partitions_ahead_days: int = Field(default=3, ge=1, le=60)
+
+
+class ConsoleSettings(CommonSettings):
+    """The console: web pages over PostgreSQL and Redis, and (optionally) actions as commands."""
+
+    metrics_port: int = Field(default=9104, ge=0, le=65535)
+    #: Port of the web pages (the health server stays on metrics_port).
+    console_port: int = Field(default=8080, ge=0, le=65535)
+    #: Address the pages listen on.
+    console_host: str = "0.0.0.0"
+    #: Show pause, resume and trigger buttons and accept them (sent as commands over AMQP).
+    console_actions: bool = False
+    #: The console's own broker user for actions, so broker permissions apply to it
+    #: (empty: CRONBUS_AMQP_URL).
+    console_amqp_url: str = ""
+    #: Rows per page of schedules, executions and failures.
+    console_page_size: int = Field(default=50, ge=1, le=500)
+
+    def actions_amqp_url(self) -> str:
+        return self.console_amqp_url or self.amqp_url
