@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from services.dispatcher.views import view
 from shared.contract import keys, models
+from shared.contract.entries import Upsert
 from shared.contract.errors import ValidationFailed
-from shared.postgres.store import AppliedCommand, CommandAudit, NewScheduleRow, ScheduleRow
-from shared.redis.index import Upsert
+from shared.contract.rows import AppliedCommand, CommandAudit, NewScheduleRow, ScheduleRow
 from shared.rules import compact, rotation
 from shared.rules.plan import Plan
 

@@ -19,9 +19,10 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange
 
 from shared.contract import delivery, keys
+from shared.contract.entries import Claimed, ClaimResult
 from shared.policy import fairness
 from shared.rabbitmq import amqp
-from shared.redis.index import Claimed, ClaimResult, Index
+from shared.redis.index import Index
 from shared.rules import schedule
 from shared.runtime import metrics, transient
 from shared.runtime.config import DispatcherSettings

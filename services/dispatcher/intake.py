@@ -25,19 +25,14 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from services.dispatcher import batch
 from services.dispatcher.views import view
 from shared.contract import codec, keys, models, timefmt, validation
+from shared.contract.entries import BackfillStart, Upsert
 from shared.contract.errors import ValidationFailed
+from shared.contract.rows import AppliedCommand, Backfill, CommandAudit, PendingRun, ScheduleRow
 from shared.policy import limits, stats
-from shared.postgres.store import (
-    AppliedCommand,
-    Backfill,
-    CommandAudit,
-    PendingRun,
-    ScheduleRow,
-    Store,
-)
+from shared.postgres.store import Store
 from shared.rabbitmq import amqp
 from shared.redis.batcher import GroupCommit
-from shared.redis.index import BackfillStart, Index, Upsert
+from shared.redis.index import Index
 from shared.rules import backfill, compact, rotation, schedule
 from shared.rules.plan import Plan
 from shared.runtime import metrics, quotas, transient

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.contract import timefmt
-from shared.postgres.store import ScheduleRow
+from shared.contract.rows import ScheduleRow
 from shared.rules import compact, schedule
 from shared.rules.plan import AfterCompletionRule, Plan
 

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 
+from shared.contract.rows import BackfillProgress, Checkpoint, ExecutionRow
 from shared.policy import stats
-from shared.postgres.store import BackfillProgress, Checkpoint, ExecutionRow, Store
+from shared.postgres.store import Store
 from shared.runtime import metrics, transient
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,11 @@ from collections.abc import Sequence
 from services.executor.events import Events
 from shared.contract import keys, timefmt
 from shared.contract.delivery import Occurrence
-from shared.postgres.store import CommandAudit, NewScheduleRow, Store
+from shared.contract.entries import Upsert
+from shared.contract.rows import CommandAudit, NewScheduleRow
+from shared.postgres.store import Store
 from shared.redis.batcher import Batcher
-from shared.redis.index import Index, Upsert
+from shared.redis.index import Index
 from shared.rules import compact
 from shared.runtime import metrics, transient
 

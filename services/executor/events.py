@@ -14,7 +14,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
 from shared.contract import codec, keys, timefmt
-from shared.postgres.store import ExecutionRow
+from shared.contract.rows import ExecutionRow
 from shared.runtime import metrics, transient
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,10 @@ from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
 from shared.contract import delivery
 from shared.contract.delivery import Occurrence
-from shared.postgres.store import BackfillProgress
+from shared.contract.entries import Completion
+from shared.contract.rows import BackfillProgress
 from shared.redis.batcher import Batcher
-from shared.redis.index import Completion, Index
+from shared.redis.index import Index
 from shared.rules.plan import WebhookPlan
 from shared.runtime import metrics, transient
 from shared.runtime.config import ExecutorSettings

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shared.contract.delivery import Occurrence
-from shared.postgres.store import Checkpoint, ExecutionRow
-from shared.redis.index import Completion, resting_occ_state
+from shared.contract.entries import Completion, resting_occ_state
+from shared.contract.rows import Checkpoint, ExecutionRow
 from shared.rules import backfill, backoff, schedule
 
 EventKind = Literal["succeeded", "failed", "dead", "skipped"]

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 
 from services.sweeper import suspects
 from shared.contract import keys
-from shared.postgres.store import LiveBackfill, Store
-from shared.redis.index import BackfillStart, Index
+from shared.contract.entries import BackfillStart
+from shared.contract.rows import LiveBackfill
+from shared.postgres.store import Store
+from shared.redis.index import Index
 from shared.runtime import metrics
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 
 from services.sweeper import suspects
 from shared.contract import keys
-from shared.postgres.store import PendingRun, PendingRunRow, Store
-from shared.redis.index import Index, Upsert
+from shared.contract.entries import Upsert
+from shared.contract.rows import PendingRun, PendingRunRow
+from shared.postgres.store import Store
+from shared.redis.index import Index
 from shared.runtime import metrics
 
 log = logging.getLogger(__name__)

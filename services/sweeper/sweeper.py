@@ -23,9 +23,11 @@ from redis.asyncio.lock import Lock
 
 from services.sweeper import backfills, drift, pending
 from shared.contract import keys
+from shared.contract.entries import Upsert
+from shared.contract.rows import Checkpoint, LiveSchedule
 from shared.postgres import db
-from shared.postgres.store import Checkpoint, LiveSchedule, Store
-from shared.redis.index import Index, Upsert
+from shared.postgres.store import Store
+from shared.redis.index import Index
 from shared.rules import compact, rotation
 from shared.rules.plan import same_rotation
 from shared.runtime import metrics, transient

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.contract import codec, keys
-from shared.redis.index import Claimed
+from shared.contract.entries import Claimed
 from shared.rules import compact, schedule
 from shared.rules.plan import Plan
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.contract import timefmt
-from shared.postgres.store import ExecutionRow
+from shared.contract.rows import ExecutionRow
 
 #: The pinned fields of ``"stats"`` in get and list replies, in order.
 FIELDS = (

@@ -25,9 +25,11 @@ import asyncpg
 import pydantic
 
 from shared.contract import keys, models, validation
+from shared.contract.entries import Upsert, resting_occ_state
 from shared.contract.errors import ValidationFailed
-from shared.postgres.store import CommandAudit, NewScheduleRow, ScheduleRow, Store
-from shared.redis.index import Index, Upsert, resting_occ_state
+from shared.contract.rows import CommandAudit, NewScheduleRow, ScheduleRow
+from shared.postgres.store import Store
+from shared.redis.index import Index
 from shared.rules import compact, rotation, schedule
 from shared.runtime import transient
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shared.contract import keys
-from shared.redis.index import Upsert, UpsertMode, resting_occ_state
+from shared.contract.entries import Upsert, UpsertMode, resting_occ_state
 from shared.rules import compact, schedule
 from shared.rules.plan import CronRule, IntervalRule, Plan, same_rotation
 

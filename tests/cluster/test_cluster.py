@@ -13,9 +13,10 @@ from cronbus.client import CommandClient
 from cronbus.sink import Sink
 from services.sweeper.sweeper import Sweeper
 from shared.contract import keys
+from shared.contract.entries import Completion, Upsert
 from shared.policy import netpolicy
 from shared.redis import index
-from shared.redis.index import Completion, Index, Upsert
+from shared.redis.index import Index
 from shared.rules import compact
 from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 from shared.runtime.config import CommonSettings, SweeperSettings

@@ -7,7 +7,8 @@ import asyncio
 import asyncpg
 
 from services.executor.audit import AuditWriter
-from shared.postgres.store import Checkpoint, ExecutionRow, Store
+from shared.contract.rows import Checkpoint, ExecutionRow
+from shared.postgres.store import Store
 
 
 def row(i: int) -> ExecutionRow:

@@ -8,8 +8,7 @@ import asyncio
 import aio_pika
 
 from services.executor.targets import AmqpTargets
-from shared.contract import delivery, keys, timefmt
-from shared.redis import index
+from shared.contract import delivery, entries, keys, timefmt
 from shared.rules import compact, schedule
 from shared.rules.plan import AmqpPlan, IntervalRule, Plan
 
@@ -26,7 +25,7 @@ async def test_an_amqp_backfill_delivery_carries_the_header(amqp_url: str) -> No
         plan = Plan(version=1, rule=IntervalRule(60_000), target=AmqpPlan("acme", "remind"))
         received = []
         for member in (keys.backfill_member("ns", "s"), keys.member("ns", "s")):
-            item = index.Claimed(0, member, NOMINAL, NOMINAL, 1, 9, 1, compact.encode(plan))
+            item = entries.Claimed(0, member, NOMINAL, NOMINAL, 1, 9, 1, compact.encode(plan))
             [occ] = delivery.decode(delivery.encode([item]))
             outcome = await AmqpTargets(connection).deliver(occ, occ.idempotency_key)
             assert outcome.ok, outcome

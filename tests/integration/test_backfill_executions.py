@@ -7,9 +7,8 @@ import random
 
 from services.executor import settle
 from services.executor.settle import Outcome
-from shared.contract import delivery, keys
+from shared.contract import delivery, entries, keys
 from shared.postgres.store import Store
-from shared.redis import index
 from shared.rules import compact, schedule
 from shared.rules.plan import IntervalRule, Plan, RetryRule, WebhookPlan
 
@@ -24,7 +23,7 @@ PLAN = Plan(
 
 
 def occurrence(member: str, attempt: int) -> delivery.Occurrence:
-    item = index.Claimed(0, member, AT, AT, attempt, 7, 1, compact.encode(PLAN), False)
+    item = entries.Claimed(0, member, AT, AT, attempt, 7, 1, compact.encode(PLAN), False)
     [occ] = delivery.decode(delivery.encode([item]))
     return occ
 

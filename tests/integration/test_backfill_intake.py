@@ -14,8 +14,10 @@ from aio_pika.abc import AbstractRobustConnection
 from services.dispatcher.intake import Intake, Meta, Received
 from services.sweeper.sweeper import Sweeper
 from shared.contract import codec, keys, timefmt
-from shared.postgres.store import BackfillProgress, Checkpoint, Store
-from shared.redis.index import Completion, Index
+from shared.contract.entries import Completion
+from shared.contract.rows import BackfillProgress, Checkpoint
+from shared.postgres.store import Store
+from shared.redis.index import Index
 from shared.runtime.config import DispatcherSettings, SweeperSettings
 from tests.conftest import SHARDS
 from tests.integration.conftest import no_wake

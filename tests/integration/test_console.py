@@ -15,7 +15,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from services.console.readmodel import ReadModel
 from services.console.web import CSRF_COOKIE, Console
 from shared.contract import keys, models, validation
-from shared.postgres.store import ExecutionRow, NewScheduleRow, Store
+from shared.contract.rows import ExecutionRow, NewScheduleRow
+from shared.postgres.store import Store
 from shared.redis.index import Index
 from shared.rules import compact
 from shared.runtime.config import ConsoleSettings

@@ -7,10 +7,11 @@ import time
 import asyncpg
 
 from shared.contract import codec, timefmt, validation
+from shared.contract.rows import ExecutionRow
 from shared.policy import netpolicy, stats
 from shared.postgres import bulk
 from shared.postgres.sql import QUERIES
-from shared.postgres.store import Connection, ExecutionRow, Store, stats_arguments
+from shared.postgres.store import Connection, Store, stats_arguments
 from shared.redis.index import Index
 
 NOW = int(time.time() * 1000)

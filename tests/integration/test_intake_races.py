@@ -15,7 +15,8 @@ from aio_pika.abc import AbstractRobustConnection
 from services.dispatcher import batch
 from services.dispatcher.intake import Intake, Meta, Received
 from shared.contract import codec, validation
-from shared.postgres.store import CommandAudit, Store
+from shared.contract.rows import CommandAudit
+from shared.postgres.store import Store
 from shared.redis.index import Index
 from shared.runtime.config import DispatcherSettings
 from tests.conftest import SHARDS

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from shared.postgres.store import ExecutionRow, PendingRun, Store
+from shared.contract.rows import ExecutionRow, PendingRun
+from shared.postgres.store import Store
 from shared.rules import schedule
 
 AT = 1_800_000_000_000  # a whole second

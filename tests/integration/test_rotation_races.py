@@ -16,11 +16,13 @@ from services.dispatcher import batch
 from services.dispatcher.intake import Intake
 from services.sweeper.sweeper import TOMBSTONE_KEEP_MS, Sweeper
 from shared.contract import codec, delivery, timefmt, validation
+from shared.contract.entries import Claimed
+from shared.contract.rows import CommandAudit
 from shared.policy import netpolicy
 from shared.postgres import bulk
-from shared.postgres.store import CommandAudit, Store
+from shared.postgres.store import Store
 from shared.rabbitmq import amqp
-from shared.redis.index import Claimed, Index
+from shared.redis.index import Index
 from shared.runtime.config import DispatcherSettings, SweeperSettings
 from tests.conftest import SHARDS
 from tests.integration.test_executor_decisions import claim_one, executor_with_clock

@@ -15,10 +15,12 @@ from redis.asyncio.lock import Lock
 from services.sweeper import sweeper as sweeper_module
 from services.sweeper.sweeper import Sweeper
 from shared.contract import codec, keys, timefmt, validation
+from shared.contract.entries import Upsert
+from shared.contract.rows import Checkpoint, PendingRun
 from shared.policy import netpolicy
 from shared.postgres import bulk, db
-from shared.postgres.store import Checkpoint, PendingRun, Store
-from shared.redis.index import Index, Upsert
+from shared.postgres.store import Store
+from shared.redis.index import Index
 from shared.rules import compact
 from shared.rules.plan import IntervalRule
 from shared.runtime.config import SweeperSettings

@@ -6,7 +6,8 @@ from __future__ import annotations
 import itertools
 import random
 
-from shared.redis.index import BackfillStart, Claimed, ClaimResult, Completion, Index, Upsert
+from shared.contract.entries import BackfillStart, Claimed, ClaimResult, Completion, Upsert
+from shared.redis.index import Index
 from tests.lua.test_scripts import LEASE_MS, NOW, add, plan
 
 MEMBER = "ns/s"

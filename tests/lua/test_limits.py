@@ -3,7 +3,8 @@ circuit breakers, deferrals that keep the attempt."""
 
 from __future__ import annotations
 
-from shared.redis.index import Index, occ_state
+from shared.contract.entries import occ_state
+from shared.redis.index import Index
 from tests.lua.test_scripts import LEASE_MS, NOW, add
 
 KEY = "acme|http://127.0.0.1:80"

@@ -6,7 +6,8 @@ rotation's first occurrence was delivered 400 ms later, while the old one was st
 
 from __future__ import annotations
 
-from shared.redis.index import Completion, Index
+from shared.contract.entries import Completion
+from shared.redis.index import Index
 from tests.lua.test_scripts import LEASE_MS, NOW, add, snapshot
 
 

@@ -4,7 +4,8 @@ written twice (drift repair and the intake)."""
 
 from __future__ import annotations
 
-from shared.redis.index import Index, Upsert
+from shared.contract.entries import Upsert
+from shared.redis.index import Index
 from shared.rules import compact
 from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 

@@ -9,9 +9,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared.contract import keys
+from shared.contract.entries import Completion, Upsert, occ_state
 from shared.contract.errors import StaleWriteError
 from shared.redis import lua
-from shared.redis.index import Completion, Index, Upsert, occ_state
+from shared.redis.index import Index
 from shared.rules import compact
 from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 from tests.support import services

@@ -7,8 +7,7 @@ import random
 
 from services.executor import settle, targets
 from services.executor.settle import Outcome
-from shared.contract import delivery, keys, timefmt
-from shared.redis import index
+from shared.contract import delivery, entries, keys, timefmt
 from shared.rules import compact, schedule
 from shared.rules.exclusion import CronExclusion
 from shared.rules.plan import IntervalRule, MisfireRule, Plan, WebhookPlan
@@ -26,7 +25,7 @@ PLAN = Plan(
 
 def claimed(member: str) -> delivery.Occurrence:
     # As claim.lua hands it out: a backfill member's "fires" is its backfill's generation.
-    item = index.Claimed(0, member, NOMINAL, NOMINAL, 1, 99, 42, compact.encode(PLAN), False)
+    item = entries.Claimed(0, member, NOMINAL, NOMINAL, 1, 99, 42, compact.encode(PLAN), False)
     [occ] = delivery.decode(delivery.encode([item]))
     return occ
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.executor import settle
 from shared.contract.delivery import Occurrence
-from shared.redis.index import split_tail
+from shared.contract.entries import split_tail
 from shared.rules import compact, rotation, schedule
 from shared.rules.plan import IntervalRule, MisfireRule, Plan, WebhookPlan
 

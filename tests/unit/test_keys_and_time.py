@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.contract import delivery, keys, timefmt
+from shared.contract.entries import Claimed
 from shared.postgres import sql
-from shared.redis.index import Claimed
 from shared.rules import compact, schedule
 from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 

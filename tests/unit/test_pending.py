@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.sweeper import pending
 from shared.contract import keys
-from shared.postgres.store import PendingRun, PendingRunRow
+from shared.contract.rows import PendingRun, PendingRunRow
 
 
 def row(state: str, kind: str = "trigger") -> PendingRunRow:

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from shared.contract import validation
 from shared.contract.errors import ValidationFailed
+from shared.contract.rows import ExecutionRow
 from shared.policy import stats
-from shared.postgres.store import ExecutionRow
 
 
 def row(status: str, attempts: int = 1, started: int = 0, **kw: object) -> ExecutionRow:
