@@ -6,8 +6,6 @@ the firing path (executions, checkpoints) always go in batches: one statement pe
 
 from __future__ import annotations
 
-from shared.contract.rows import ScheduleRow, NewScheduleRow, CommandAudit, AppliedCommand, ExecutionRow, Checkpoint, PendingRun, PendingRunRow, finished_runs, Backfill, LiveBackfill, BackfillProgress, LiveSchedule
-
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass

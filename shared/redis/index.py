@@ -7,8 +7,6 @@ one pipeline.
 
 from __future__ import annotations
 
-from shared.contract.entries import split_tail, Claimed, ClaimResult, Completion, BackfillStart, parse_backfill, Upsert
-
 import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
