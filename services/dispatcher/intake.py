@@ -24,7 +24,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from services.dispatcher import batch
 from services.dispatcher.views import view
-from shared.contract import codec, keys, models, timefmt, validation
+from shared.contract import codec, commands, keys, models, timefmt, validation
 from shared.contract.entries import BackfillStart, Upsert
 from shared.contract.errors import ValidationFailed
 from shared.contract.rows import AppliedCommand, Backfill, CommandAudit, PendingRun, ScheduleRow
@@ -289,11 +289,11 @@ class Intake:
         except ValidationFailed as failure:
             raise Unparseable(failure.code, str(failure), failure.details) from None
         received.command = validation.parse_command(verb, received.parsed)
-        if isinstance(received.command, models.UpsertCommand):
+        if isinstance(received.command, commands.UpsertCommand):
             received.plan = validation.check_schedule(
                 received.command.schedule, 0, self.now_ms(), self.policy
             )
-        elif isinstance(received.command, models.UpsertManyCommand):
+        elif isinstance(received.command, commands.UpsertManyCommand):
             now = self.now_ms()
             raws = received.command.schedules
             received.items = [self._checked_item(namespace, raw, now) for raw in raws]
@@ -451,7 +451,7 @@ class Intake:
         self, namespace: str, verb: str, command: models.Strict, received: Received
     ) -> dict[str, Any]:
         audit = self._audit_of(received, "ok")
-        if isinstance(command, models.UpsertCommand):
+        if isinstance(command, commands.UpsertCommand):
             # Group commit: with the upserts ready at the same time, replay check included.
             assert received.plan is not None
             item = batch.UpsertItem(
@@ -469,7 +469,7 @@ class Intake:
             return result
         change_verb = CHANGE_VERBS.get(verb)
         if change_verb is not None:
-            assert isinstance(command, models.IdCommand)
+            assert isinstance(command, commands.IdCommand)
             change = batch.ChangeItem(
                 namespace,
                 command.id,
@@ -485,15 +485,15 @@ class Intake:
         replayed = await self._replayed(namespace, verb, received)
         if replayed is not None:
             return replayed
-        if isinstance(command, models.BackfillCommand):
+        if isinstance(command, commands.BackfillCommand):
             return await self.backfill(namespace, command, audit)
-        if isinstance(command, models.UpsertManyCommand):
+        if isinstance(command, commands.UpsertManyCommand):
             return await self.upsert_many(received.items, received.item_ids, audit)
-        if isinstance(command, models.ListCommand):
+        if isinstance(command, commands.ListCommand):
             reply = await self.list(namespace, command)
             await self.store.record_command(audit)
             return reply
-        assert isinstance(command, models.IdCommand)
+        assert isinstance(command, commands.IdCommand)
         if verb == "get":
             return await self.get(namespace, command.id, audit)
         return await self.trigger(namespace, command.id, audit)
@@ -766,7 +766,7 @@ class Intake:
         return applied.reply
 
     async def backfill(
-        self, namespace: str, command: models.BackfillCommand, audit: CommandAudit
+        self, namespace: str, command: commands.BackfillCommand, audit: CommandAudit
     ) -> dict[str, Any]:
         """Start a backfill (replacing the schedule's running one): durable in PostgreSQL
         with the command's audit before the reply, then placed in the index."""
@@ -831,7 +831,7 @@ class Intake:
             [{"field": "id", "reason": "too many triggers at once; try again"}],
         )
 
-    async def list(self, namespace: str, command: models.ListCommand) -> dict[str, Any]:
+    async def list(self, namespace: str, command: commands.ListCommand) -> dict[str, Any]:
         rows = await self.store.list_schedules(
             namespace,
             state=command.state,
@@ -881,7 +881,7 @@ class Intake:
         reply = applied.reply
         if verb == "trigger":
             await self._ensure_trigger(namespace, reply)
-        elif verb == "backfill" and isinstance(received.command, models.BackfillCommand):
+        elif verb == "backfill" and isinstance(received.command, commands.BackfillCommand):
             await self._ensure_backfill(namespace, received.command.id)
         return {**reply, "duplicate": True}
 
@@ -1002,7 +1002,7 @@ def _item_result(
 
 def _schedule_ids_of(received: Received) -> list[str]:
     """The schedules a command touches (their locks keep commands on each in order)."""
-    if isinstance(received.command, models.UpsertManyCommand):
+    if isinstance(received.command, commands.UpsertManyCommand):
         return [item.schedule.id for item in received.items if isinstance(item, batch.UpsertItem)]
     return [_schedule_id_of(received.parsed) or ""]
 

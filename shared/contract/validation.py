@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import pydantic
 
-from shared.contract import codec, keys, models, timefmt
+from shared.contract import codec, commands, keys, models, timefmt
 from shared.contract.errors import ValidationFailed
 from shared.policy import netpolicy
 from shared.rules import cron, schedule
@@ -147,7 +147,7 @@ def parse_body(raw: bytes) -> Any:
 
 def parse_command(verb: str, body: Any) -> models.Strict:
     """A command body -> its model, or ValidationFailed naming every offending field."""
-    model = models.COMMAND_MODELS.get(verb)
+    model = commands.COMMAND_MODELS.get(verb)
     if model is None:
         raise ValidationFailed(
             "unknown_verb",

@@ -6,10 +6,10 @@ the firing path (executions, checkpoints) always go in batches: one statement pe
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 
@@ -30,6 +30,7 @@ from shared.contract.rows import (
     ScheduleRow,
     finished_runs,
 )
+from shared.postgres import columns
 from shared.postgres.sql import QUERIES
 
 #: Above every value of the integer column ``priority``: the rebuild's walk starts below it.
@@ -37,70 +38,6 @@ ABOVE_ANY_PRIORITY = 2**31
 
 #: A connection, pooled or not.
 Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
-
-
-Row = TypeVar("Row")
-
-
-def _latest(
-    rows: Sequence[Row], key: Callable[[Row], Hashable], rank: Callable[[Row], int]
-) -> list[Row]:
-    """One row per key, the highest ranked (a statement may not touch a row twice)."""
-    latest: dict[Hashable, Row] = {}
-    for row in rows:
-        kept = latest.get(key(row))
-        if kept is None or rank(kept) <= rank(row):
-            latest[key(row)] = row
-    return list(latest.values())
-
-
-def _json_text(value: dict[str, Any] | bytes) -> str:
-    return (value if isinstance(value, bytes) else codec.dumps(value)).decode()
-
-
-#: Longest text kept in an audit column (ids and AMQP properties are far shorter when honest).
-AUDIT_TEXT_MAX = 1000
-
-
-def _audit_text(value: str | None) -> str | None:
-    if value is None:
-        return None
-    return value.replace("\x00", "\ufffd")[:AUDIT_TEXT_MAX]
-
-
-def _audit_json(value: Any) -> Any:
-    """``value`` as JSON that jsonb accepts: a NUL escape (``\\u0000``) becomes U+FFFD."""
-    if value is None:
-        return None
-    try:
-        encoded = codec.dumps(value)
-    except TypeError:  # nested too deep to encode: validation refuses it; the audit drops it
-        return None
-    if b"\\u0000" in encoded:
-        encoded = encoded.replace(b"\\u0000", b"\\ufffd")
-    return codec.Fragment(encoded)
-
-
-def _as_json(value: dict[str, Any] | bytes) -> Any:
-    return codec.Fragment(value) if isinstance(value, bytes) else value
-
-
-def _audit_columns(audits: Sequence[CommandAudit]) -> list[list[Any]]:
-    """Audit rows as the column arrays of an unnest (sanitized as ``record_command`` does)."""
-    return [
-        [_audit_text(a.namespace) for a in audits],
-        [_audit_text(a.verb) for a in audits],
-        [_audit_text(a.schedule_id) for a in audits],
-        [_audit_text(a.user_id) for a in audits],
-        [_audit_text(a.app_id) for a in audits],
-        [_audit_text(a.message_id) for a in audits],
-        [_audit_text(a.correlation_id) for a in audits],
-        [_audit_json(a.body) for a in audits],
-        [_audit_text(a.outcome) for a in audits],
-        [_audit_json(a.error) for a in audits],
-        [a.version for a in audits],
-        [_audit_json(a.reply) for a in audits],
-    ]
 
 
 async def _init_connection(conn: Connection) -> None:
@@ -169,7 +106,7 @@ class Store:
                     r.id,
                     r.version,
                     r.state,
-                    _json_text(r.definition),
+                    columns.json_text(r.definition),
                     r.compact,
                     r.priority,
                     codec.dumps(r.labels).decode(),
@@ -196,7 +133,7 @@ class Store:
             QUERIES["get_schedules_and_audit"],
             [ns for ns, _ in members],
             [i for _, i in members],
-            *_audit_columns(audits),
+            *columns.audit_columns(audits),
         )
         return {(r["namespace"], r["id"]): ScheduleRow.of(r) for r in records}
 
@@ -240,18 +177,18 @@ class Store:
         target: Any = conn if conn is not None else self.pool
         await target.execute(
             QUERIES["record_command"],
-            _audit_text(audit.namespace),
-            _audit_text(audit.verb),
-            _audit_text(audit.schedule_id),
-            _audit_text(audit.user_id),
-            _audit_text(audit.app_id),
-            _audit_text(audit.message_id),
-            _audit_text(audit.correlation_id),
-            _audit_json(audit.body),
-            _audit_text(audit.outcome),
-            _audit_json(audit.error),
+            columns.audit_text(audit.namespace),
+            columns.audit_text(audit.verb),
+            columns.audit_text(audit.schedule_id),
+            columns.audit_text(audit.user_id),
+            columns.audit_text(audit.app_id),
+            columns.audit_text(audit.message_id),
+            columns.audit_text(audit.correlation_id),
+            columns.audit_json(audit.body),
+            columns.audit_text(audit.outcome),
+            columns.audit_json(audit.error),
             audit.version,
-            _audit_json(audit.reply),
+            columns.audit_json(audit.reply),
         )
 
     async def lock_schedule_keys(
@@ -276,7 +213,7 @@ class Store:
             [r.id for r in rows],
             [r.version for r in rows],
             [r.state for r in rows],
-            [_as_json(r.definition) for r in rows],
+            [columns.as_json(r.definition) for r in rows],
             [r.compact for r in rows],
             [r.priority for r in rows],
             [r.labels for r in rows],
@@ -284,7 +221,7 @@ class Store:
             [r.last_fire_ms for r in rows],
             [r.next_fire_ms for r in rows],
             [r.rotation_version for r in rows],
-            *_audit_columns(audits),
+            *columns.audit_columns(audits),
         )
 
     async def lock_message_ids(self, conn: Connection, members: Sequence[tuple[str, str]]) -> None:
@@ -456,7 +393,7 @@ class Store:
         Runs outside the rotation that these rows complete stop being pending in the same
         transaction (a second statement only when the batch completes any).
         """
-        batch = _latest(
+        batch = columns.latest(
             rows,
             lambda r: (r.namespace, r.id, r.nominal_ms, r.is_trigger, r.is_backfill),
             lambda r: r.attempts,
@@ -494,7 +431,7 @@ class Store:
 
     async def write_checkpoints(self, rows: Sequence[Checkpoint]) -> None:
         """One statement for the whole batch; the latest fire of a schedule wins."""
-        batch = _latest(rows, lambda c: (c.namespace, c.id), lambda c: c.last_fire_ms)
+        batch = columns.latest(rows, lambda c: (c.namespace, c.id), lambda c: c.last_fire_ms)
         await self.pool.execute(
             QUERIES["write_checkpoints"],
             [c.namespace for c in batch],
@@ -516,7 +453,7 @@ class Store:
 
     async def write_stats(self, deltas: Sequence[Any]) -> None:
         """Per-schedule stats deltas (``shared.policy.stats.Delta``), one statement a batch."""
-        await self.pool.execute(QUERIES["write_stats"], *stats_arguments(deltas))
+        await self.pool.execute(QUERIES["write_stats"], *columns.stats_arguments(deltas))
 
     async def schedule_stats(self, namespace: str, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """id -> its ``schedule_stats`` row, for the given schedules of a namespace."""
@@ -632,21 +569,3 @@ class Store:
             QUERIES["schedule_versions"], [ns for ns, _ in members], [i for _, i in members]
         )
         return [LiveSchedule.of(record) for record in records]
-
-
-def stats_arguments(deltas: Sequence[Any]) -> list[list[Any]]:
-    """write_stats's parameters: one array per column for a batch of ``stats.Delta``."""
-    return [
-        [d.namespace for d in deltas],
-        [d.id for d in deltas],
-        [d.fires for d in deltas],
-        [d.succeeded for d in deltas],
-        [d.failed for d in deltas],
-        [d.dead for d in deltas],
-        [d.skipped for d in deltas],
-        [d.excluded for d in deltas],
-        [d.trailing_dead for d in deltas],
-        [d.last_status for d in deltas],
-        [d.last_error for d in deltas],
-        [d.last_ms for d in deltas],
-    ]

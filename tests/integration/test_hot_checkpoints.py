@@ -10,8 +10,9 @@ from shared.contract import codec, timefmt, validation
 from shared.contract.rows import ExecutionRow
 from shared.policy import netpolicy, stats
 from shared.postgres import bulk
+from shared.postgres.columns import stats_arguments
 from shared.postgres.sql import QUERIES
-from shared.postgres.store import Connection, Store, stats_arguments
+from shared.postgres.store import Connection, Store
 from shared.redis.index import Index
 
 NOW = int(time.time() * 1000)

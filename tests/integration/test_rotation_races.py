@@ -14,7 +14,8 @@ from aio_pika.abc import AbstractRobustConnection
 from cronbus.sink import Sink
 from services.dispatcher import batch
 from services.dispatcher.intake import Intake
-from services.sweeper.sweeper import TOMBSTONE_KEEP_MS, Sweeper
+from services.sweeper.repair import TOMBSTONE_KEEP_MS
+from services.sweeper.sweeper import Sweeper
 from shared.contract import codec, delivery, timefmt, validation
 from shared.contract.entries import Claimed
 from shared.contract.rows import CommandAudit

@@ -12,7 +12,7 @@ import asyncpg
 import pytest
 from redis.asyncio.lock import Lock
 
-from services.sweeper import sweeper as sweeper_module
+from services.sweeper import rebuild as rebuild_module
 from services.sweeper.sweeper import Sweeper
 from shared.contract import codec, keys, timefmt, validation
 from shared.contract.entries import Upsert
@@ -455,7 +455,7 @@ async def test_a_rebuild_that_lost_its_lock_stops_and_sets_no_epoch(
     index: Index, store: Store, redis_prefix: str, database_url: str, monkeypatch: Any
 ) -> None:
     # Renewed often here, so that the loss is seen within the test.
-    monkeypatch.setattr(sweeper_module, "REBUILD_LOCK_RENEW_S", 0.05, raising=False)
+    monkeypatch.setattr(rebuild_module, "REBUILD_LOCK_RENEW_S", 0.05)
     settings = SweeperSettings(
         redis_prefix=redis_prefix, shards=SHARDS, database_url=database_url, rebuild_batch=1
     )

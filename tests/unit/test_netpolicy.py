@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.contract import models, validation
+from shared.contract import commands, validation
 from shared.contract.errors import ValidationFailed
 from shared.policy import netpolicy
 
@@ -128,7 +128,7 @@ def upsert_errors(url: str) -> list[dict[str, str]]:
     }
     with pytest.raises(ValidationFailed) as caught:
         command = validation.parse_command("upsert", body)
-        assert isinstance(command, models.UpsertCommand)
+        assert isinstance(command, commands.UpsertCommand)
         validation.check_schedule(command.schedule, 1, 1_800_000_000_000, validation.TargetPolicy())
     return caught.value.details
 
@@ -183,5 +183,5 @@ def test_literal_addresses_are_checked_at_upsert_against_the_policy() -> None:
             }
         },
     )
-    assert isinstance(command, models.UpsertCommand)
+    assert isinstance(command, commands.UpsertCommand)
     validation.check_schedule(command.schedule, 1, 1_800_000_000_000, allowed)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from shared.contract import models, validation
+from shared.contract import commands, validation
 from shared.contract.errors import ValidationFailed
 from shared.rules import compact, plan
 
@@ -56,7 +56,7 @@ def test_only_the_names_travel_with_the_plan() -> None:
     command = validation.parse_command(
         "upsert", upsert({"Authorization": "billing-token", "X-Api-Key": "api.key_2"})
     )
-    assert isinstance(command, models.UpsertCommand)
+    assert isinstance(command, commands.UpsertCommand)
     found = plan.plan_of(command.schedule, 1)
     decoded = compact.decode(compact.encode(found))
     assert decoded == found

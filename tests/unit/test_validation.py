@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.contract import models, timefmt, validation
+from shared.contract import commands, models, timefmt, validation
 from shared.contract.errors import ValidationFailed
 from shared.rules import schedule as schedule_math
 
@@ -49,14 +49,14 @@ def schedule(**overrides: Any) -> dict[str, Any]:
 def refused(verb: str, body: Any) -> ValidationFailed:
     with pytest.raises(ValidationFailed) as caught:
         command = validation.parse_command(verb, body)
-        if isinstance(command, models.UpsertCommand):
+        if isinstance(command, commands.UpsertCommand):
             validation.check_schedule(command.schedule, 1, NOW, validation.TargetPolicy())
     return caught.value
 
 
 def test_the_pinned_examples_are_accepted() -> None:
     command = validation.parse_command("upsert", PINNED_UPSERT)
-    assert isinstance(command, models.UpsertCommand)
+    assert isinstance(command, commands.UpsertCommand)
     assert command.expected_version == 3
     other_specs = [
         {"kind": "interval", "every_s": 60},
@@ -93,7 +93,7 @@ def test_the_pinned_examples_are_accepted() -> None:
 
 def test_only_id_spec_and_target_are_required() -> None:
     command = validation.parse_command("upsert", {"schedule": schedule()})
-    assert isinstance(command, models.UpsertCommand)
+    assert isinstance(command, commands.UpsertCommand)
     item = command.schedule
     assert item.retry == models.Retry()
     assert item.misfire.policy == "fire_once"
@@ -338,7 +338,7 @@ def test_operator_policy_limits_hosts_exchanges_and_bodies() -> None:
             )
         },
     )
-    assert isinstance(command, models.UpsertCommand)
+    assert isinstance(command, commands.UpsertCommand)
     with pytest.raises(ValidationFailed) as caught:
         validation.check_schedule(command.schedule, 1, NOW, policy)
     fields = {d["field"] for d in caught.value.details}
@@ -346,7 +346,7 @@ def test_operator_policy_limits_hosts_exchanges_and_bodies() -> None:
     ok = validation.parse_command(
         "upsert", {"schedule": schedule(target={"kind": "amqp", "exchange": "jobs.nightly"})}
     )
-    assert isinstance(ok, models.UpsertCommand)
+    assert isinstance(ok, commands.UpsertCommand)
     validation.check_schedule(ok.schedule, 1, NOW, policy)
 
 
@@ -445,7 +445,7 @@ def test_an_interval_ends_at_the_last_fire_before_the_year_10000() -> None:
             )
         },
     )
-    assert isinstance(command, models.UpsertCommand)
+    assert isinstance(command, commands.UpsertCommand)
     plan = validation.check_schedule(
         command.schedule,
         1,
@@ -520,7 +520,7 @@ def test_any_body_is_a_command_or_a_field_error(data: st.DataObject, verb: str) 
         body = data.draw(JSON_VALUES)
     try:
         command = validation.parse_command(verb, body)
-        if isinstance(command, models.UpsertCommand):
+        if isinstance(command, commands.UpsertCommand):
             validation.check_schedule(command.schedule, 1, NOW, validation.TargetPolicy())
     except ValidationFailed as failure:
         assert failure.details or failure.code == "unknown_verb"
