@@ -16,7 +16,7 @@ from shared.runtime.config import (
     SweeperSettings,
 )
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+README = (Path(__file__).resolve().parents[3] / "README.md").read_text()
 
 
 def test_every_setting_is_documented_and_nothing_else() -> None:
@@ -49,7 +49,7 @@ def test_every_metric_is_documented() -> None:
 
 
 def test_the_two_set_up_commands_exist() -> None:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     for command in ("./scripts/dev", "./scripts/test"):
         assert command in README
         assert (root / command).stat().st_mode & 0o111

@@ -20,7 +20,7 @@ from shared.rules.plan import (
     Plan,
     WebhookPlan,
 )
-from tests.unit.test_preview_cli import lines, preview
+from tests.unit.cli.test_preview_cli import lines, preview
 
 T = timefmt.parse_rfc3339_ms
 TARGET = WebhookPlan("http://sink/x")

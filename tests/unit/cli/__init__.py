@@ -1,0 +1,1 @@
+"""Unit tests of the cronbus command: no I/O."""

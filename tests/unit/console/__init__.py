@@ -1,0 +1,1 @@
+"""Unit tests of services/console: no I/O."""

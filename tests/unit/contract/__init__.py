@@ -1,0 +1,1 @@
+"""Unit tests of shared/contract: no I/O."""

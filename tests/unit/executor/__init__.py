@@ -1,0 +1,1 @@
+"""Unit tests of services/executor: no I/O."""

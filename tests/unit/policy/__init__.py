@@ -1,0 +1,1 @@
+"""Unit tests of shared/policy: no I/O."""

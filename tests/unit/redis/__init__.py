@@ -1,0 +1,1 @@
+"""Unit tests of shared/redis (its pure parts): no I/O."""

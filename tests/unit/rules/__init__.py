@@ -1,0 +1,1 @@
+"""Unit tests of shared/rules: no I/O."""

@@ -1,0 +1,1 @@
+"""Unit tests of shared/runtime (its pure parts): no I/O."""

@@ -1,0 +1,1 @@
+"""Unit tests of services/sweeper: no I/O."""
