@@ -14,8 +14,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
-from cronbus import bench, commands, dev, importer, procs, top
+from cronbus import commands, dev, importer, procs, top
 from cronbus import preview as preview_cmd
+from cronbus.bench import command as bench_command
 from cronbus.common import CliError
 from shared.runtime.config import DispatcherSettings, ExecutorSettings, SweeperSettings
 
@@ -132,7 +133,7 @@ def _add_operations(sub: Subparsers) -> None:
     p.add_argument("--console-port", type=int, default=8080, help="web console port (default 8080)")
     p.add_argument("--status-every", type=float, default=1.0, help="seconds between status lines")
     p.set_defaults(handler=dev.run)
-    bench.add_parser(sub)
+    bench_command.add_parser(sub)
     top.add_parser(sub)
     p = sub.add_parser("sink", help="an HTTP sink that prints every delivery it receives")
     p.add_argument("--host", default="127.0.0.1")

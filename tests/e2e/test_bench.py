@@ -10,8 +10,8 @@ from pathlib import Path
 
 import standardwebhooks
 
-from cronbus import benchcpu
-from cronbus.bench import BENCH_SIGNING_SECRET
+from cronbus.bench import cpu as benchcpu
+from cronbus.bench.herd import BENCH_SIGNING_SECRET
 from cronbus.sink import Sink
 from tests.support import services
 

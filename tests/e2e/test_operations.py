@@ -390,7 +390,7 @@ async def test_quotas_refuse_schedules_over_max_and_delay_fires_over_the_rate(
 async def test_a_herd_in_one_namespace_does_not_delay_another(
     stack: Stack, sink: Sink, client: CommandClient, stack_env: dict[str, str]
 ) -> None:
-    from cronbus import bench  # noqa: PLC0415
+    from cronbus.bench import harness  # noqa: PLC0415
 
     sink.delay_s = 0.02  # a target that takes 20 ms: with 10 slots per executor, ~1000/s
     sink.keep = True
@@ -404,7 +404,7 @@ async def test_a_herd_in_one_namespace_does_not_delay_another(
         CRONBUS_PREFETCH="2",
         CRONBUS_DELIVERIES_HIGH_WATER="2",
     )
-    found = bench.Corner(
+    found = harness.Corner(
         stack_env["CRONBUS_REDIS_URL"],
         stack_env["CRONBUS_REDIS_PREFIX"],
         stack_env["CRONBUS_AMQP_URL"],
@@ -412,8 +412,8 @@ async def test_a_herd_in_one_namespace_does_not_delay_another(
     )
     due_ms = (int(time.time()) + 4) * 1000
     # "zulu" sorts after "alpha": without fair claims its entries would come last.
-    await bench._import(found, bench.herd_lines(3000, due_ms, f"{sink.url}/a"), "alpha")
-    await bench._import(found, bench.herd_lines(20, due_ms, f"{sink.url}/b"), "zulu")
+    await harness.seed(found, harness.herd_lines(3000, due_ms, f"{sink.url}/a"), "alpha")
+    await harness.seed(found, harness.herd_lines(20, due_ms, f"{sink.url}/b"), "zulu")
     assert await sink.wait_for(lambda s: len(s.received) >= 3020, timeout_s=60), stack.tails()
     herd_last = max(r.at_ms for r in sink.received if r.schedule.startswith("alpha/"))
     few = sorted(r.at_ms - due_ms for r in sink.received if r.schedule.startswith("zulu/"))

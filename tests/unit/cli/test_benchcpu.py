@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cronbus import benchcpu
+from cronbus.bench import cpu as benchcpu
 
 seconds = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
 pid_times = st.dictionaries(st.integers(min_value=1, max_value=50), seconds, max_size=8)

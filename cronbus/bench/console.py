@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_run(args))
 
 
-def add_parser(kinds: Any) -> None:
+def add_kind(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = kinds.add_parser(
         "console", help="generate N schedules and M executions, then time every console page"
     )
@@ -235,3 +235,4 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--reuse", action="store_true", help="measure the generated data again")
     p.add_argument("--json", action="store_true", help="one JSON line of figures")
     p.set_defaults(handler=run)
+    return p

@@ -2,9 +2,10 @@
 
 The comparison runs all the time, a slice per drift check, a full pass every
 ``CRONBUS_DRIFT_FULL_INTERVAL_S``; its cost is what the sweeper spends when nothing else
-happens. Measured in this process (the sweeper's own code, not a service around it): the
-CPU time of one full pass over N schedules, and what that is as a share of a core at the
-default interval for a given number of schedules.
+happens. Measured in this process (the sweeper's own code, not a service around it), over N
+schedules seeded in a corner of their own (``cronbus.bench.harness``): the CPU time of one
+full pass, and what that is as a share of a core at the default interval for a given number
+of schedules.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import asyncio
 import time
 from typing import Any
 
-from cronbus import bench
+from cronbus.bench import harness
+from cronbus.bench.harness import Kinds
 from services.sweeper.sweeper import Sweeper
 from shared.contract import keys
 from shared.postgres.store import Store
@@ -23,11 +25,11 @@ from shared.runtime.config import CommonSettings, SweeperSettings
 
 
 async def _drift(args: argparse.Namespace) -> dict[str, Any]:
-    async with bench.corner(CommonSettings()) as found:
-        lines = bench.herd_lines(
+    async with harness.corner(CommonSettings()) as found:
+        lines = harness.herd_lines(
             args.n, int(time.time() * 1000) + 86_400_000, "http://127.0.0.1:9/x"
         )
-        imported, _ = await bench._import(found, lines)
+        imported, _ = await harness.seed(found, lines)
         settings = SweeperSettings(
             redis_url=found.redis_url, redis_prefix=found.prefix, database_url=found.database_url
         )
@@ -76,12 +78,12 @@ async def _passes(
     }
 
 
-def run_drift(args: argparse.Namespace) -> int:
-    bench._emit(args, asyncio.run(_drift(args)))
+def run(args: argparse.Namespace) -> int:
+    harness.emit(args, asyncio.run(_drift(args)))
     return 0
 
 
-def add_kind(kinds: Any) -> argparse.ArgumentParser:
+def add_kind(kinds: Kinds) -> argparse.ArgumentParser:
     drift = kinds.add_parser(
         "drift",
         help="the sweeper's full drift comparison over N schedules: CPU per schedule, and its "
@@ -90,5 +92,5 @@ def add_kind(kinds: Any) -> argparse.ArgumentParser:
     drift.add_argument("--n", type=int, default=100_000)
     drift.add_argument("--passes", type=int, default=2)
     drift.add_argument("--at", type=int, default=1_000_000, help="schedules the share is for")
-    drift.set_defaults(handler=run_drift)
-    return drift  # type: ignore[no-any-return]
+    drift.set_defaults(handler=run)
+    return drift

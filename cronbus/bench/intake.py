@@ -1,9 +1,9 @@
 """``cronbus bench intake``: commands per second through ``cronbus.commands``, each answered.
 
-A dispatcher runs in a corner of its own (as for the other benchmarks); one client process on
-the same machine publishes N commands of each verb with up to ``--window`` unanswered at once
-and counts the replies. Figures: commands (or schedules) per second per verb, failed replies,
-and the dispatcher's CPU time per command.
+A dispatcher runs in a corner of its own (``cronbus.bench.harness``, as for the other
+benchmarks); one client process on the same machine publishes N commands of each verb with up
+to ``--window`` unanswered at once and counts the replies. Figures: commands (or schedules) per
+second per verb, failed replies, and the dispatcher's CPU time per command.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
-from cronbus import bench, procs
+from cronbus import procs
+from cronbus.bench import harness
+from cronbus.bench.harness import Kinds
 from cronbus.common import CliError
 from shared.contract import codec, keys
 from shared.runtime.config import CommonSettings
@@ -111,10 +113,10 @@ def phases(n: int) -> list[tuple[str, str, list[bytes], int]]:
 
 async def _measured(args: argparse.Namespace) -> dict[str, Any]:
     figures: dict[str, Any] = {"n": args.n, "window": args.window, "dispatchers": args.dispatchers}
-    async with bench.corner(CommonSettings()) as found:
+    async with harness.corner(CommonSettings()) as found:
         with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
-            run = bench.Run(found, Path(logs))
-            run.start("dispatcher", args.dispatchers, {**bench._service_env(args)})
+            run = harness.Run(found, Path(logs))
+            run.start("dispatcher", args.dispatchers, {**harness.service_env(args)})
             try:
                 await run.ready()
                 connection = await aio_pika.connect(found.amqp_url)
@@ -141,14 +143,14 @@ async def _measured(args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
-def run_intake(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.n < 1 or args.n > 20_000:
         raise CliError("--n: between 1 and 20000 (each verb runs N commands)")
-    bench._emit(args, asyncio.run(_measured(args)))
+    harness.emit(args, asyncio.run(_measured(args)))
     return 0
 
 
-def add_kind(kinds: Any) -> argparse.ArgumentParser:
+def add_kind(kinds: Kinds) -> argparse.ArgumentParser:
     intake = kinds.add_parser(
         "intake", help="commands per second through cronbus.commands, each answered"
     )
@@ -158,5 +160,5 @@ def add_kind(kinds: Any) -> argparse.ArgumentParser:
     intake.add_argument(
         "--only", nargs="*", default=None, help="only these figures (upsert, get, list, ...)"
     )
-    intake.set_defaults(handler=run_intake)
-    return intake  # type: ignore[no-any-return]
+    intake.set_defaults(handler=run)
+    return intake
