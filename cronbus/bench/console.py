@@ -20,7 +20,7 @@ import aiohttp
 import asyncpg
 from aiohttp import web
 
-from cronbus.common import CliError
+from cronbus.cli.common import CliError
 from services.console.readmodel import ReadModel
 from services.console.web import Console
 from shared.contract import keys, models, validation

@@ -17,8 +17,8 @@ from typing import Any
 
 from cronbus.bench import harness
 from cronbus.bench.harness import AnySink, Corner, Kinds, Run
-from cronbus.common import CliError
-from cronbus.sink import Received, Sink
+from cronbus.cli.common import CliError
+from cronbus.cli.sink import Received, Sink
 
 FAIR_HERD_NAMESPACE = "tenant-a"
 FAIR_SMALL_NAMESPACE = "tenant-b"

@@ -29,11 +29,11 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import asyncpg
 import redis.asyncio as aioredis
 
-from cronbus import procs
 from cronbus.bench import cpu
-from cronbus.common import CliError
-from cronbus.procs import ServiceProcess
-from cronbus.sink import Received, Sink
+from cronbus.cli import procs
+from cronbus.cli.common import CliError
+from cronbus.cli.procs import ServiceProcess
+from cronbus.cli.sink import Received, Sink
 from shared.contract import codec, keys, timefmt, validation
 from shared.policy import netpolicy
 from shared.postgres import bulk, db

@@ -20,7 +20,7 @@ from typing import Any
 
 from cronbus.bench import harness
 from cronbus.bench.harness import AnySink, Corner, ExternalSink, Kinds, Run
-from cronbus.sink import Received, Sink
+from cronbus.cli.sink import Received, Sink
 from shared.contract import codec
 
 #: ``--features``: a rate limit no herd reaches, so its whole cost is paid and nothing waits.

@@ -20,10 +20,10 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
-from cronbus import procs
 from cronbus.bench import harness
 from cronbus.bench.harness import Kinds
-from cronbus.common import CliError
+from cronbus.cli import procs
+from cronbus.cli.common import CliError
 from shared.contract import codec, keys
 from shared.runtime.config import CommonSettings
 

@@ -22,12 +22,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from cronbus import procs
 from cronbus.bench import harness
 from cronbus.bench.harness import Corner, Kinds, Run
-from cronbus.common import CliError
-from cronbus.procs import ServiceProcess
-from cronbus.sink import Received, Sink
+from cronbus.cli import procs
+from cronbus.cli.common import CliError
+from cronbus.cli.procs import ServiceProcess
+from cronbus.cli.sink import Received, Sink
 from shared.contract import codec, keys, timefmt
 from shared.runtime.config import CommonSettings
 

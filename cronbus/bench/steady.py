@@ -20,8 +20,8 @@ from typing import Any
 
 from cronbus.bench import harness
 from cronbus.bench.harness import AnySink, Corner, Kinds, Run
-from cronbus.common import CliError
-from cronbus.sink import Sink
+from cronbus.cli.common import CliError
+from cronbus.cli.sink import Sink
 from shared.contract import codec, timefmt
 
 

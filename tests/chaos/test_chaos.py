@@ -21,8 +21,8 @@ import asyncpg
 import pytest
 import redis.asyncio as aioredis
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from shared.contract import codec, timefmt
 from shared.policy import netpolicy
 from shared.rules import schedule

@@ -20,9 +20,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from cronbus.cli.procs import SERVICES
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.procs import SERVICES
-from cronbus.sink import Sink
 from shared.contract import codec
 from shared.policy import netpolicy
 from tests.support import private, services

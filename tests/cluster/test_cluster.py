@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from services.sweeper.sweeper import Sweeper
 from shared.contract import keys
 from shared.contract.entries import Completion, Upsert

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from shared.policy import netpolicy
 from tests.support import services
 from tests.support.stack import Stack

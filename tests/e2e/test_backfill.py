@@ -10,8 +10,8 @@ import re
 import time
 from typing import Any
 
+from cronbus.cli.sink import Received, Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Received, Sink
 from shared.contract import timefmt
 from shared.redis.index import Index
 from shared.rules import schedule

@@ -12,7 +12,7 @@ import standardwebhooks
 
 from cronbus.bench import cpu as benchcpu
 from cronbus.bench.herd import BENCH_SIGNING_SECRET
-from cronbus.sink import Sink
+from cronbus.cli.sink import Sink
 from tests.support import services
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ import aio_pika
 import asyncpg
 import redis.asyncio as aioredis
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from shared.contract import codec, keys
 from tests.support import services
 from tests.support.stack import Stack

@@ -12,8 +12,8 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractQueue
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from shared.contract import codec, keys, timefmt
 from shared.policy import tracing
 from shared.rules import schedule

@@ -8,8 +8,8 @@ import time
 
 import aio_pika
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from shared.contract import keys, timefmt
 from shared.rabbitmq import amqp
 from tests.support.stack import Stack

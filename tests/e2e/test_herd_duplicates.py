@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cronbus.sink import Sink
+from cronbus.cli.sink import Sink
 from shared.contract import codec, timefmt, validation
 from shared.policy import netpolicy
 from shared.postgres import bulk

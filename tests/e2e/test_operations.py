@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from shared.contract import codec, timefmt
 from tests.e2e.test_firing import events_queue
 from tests.support.stack import Stack

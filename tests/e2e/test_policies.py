@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from shared.contract import timefmt
 from tests.support.stack import Stack
 

@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+from cronbus.cli.procs import ServiceProcess
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.procs import ServiceProcess
-from cronbus.sink import Sink
 from shared.contract import timefmt
 from shared.rules import schedule
 from tests.support import services

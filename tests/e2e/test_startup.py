@@ -18,7 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from cronbus.procs import SERVICES
+from cronbus.cli.procs import SERVICES
 from tests.support import services
 from tests.support.stack import Stack, time_exits
 

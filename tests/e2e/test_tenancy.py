@@ -18,8 +18,8 @@ import pytest
 import redis.asyncio as aioredis
 import standardwebhooks
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from shared.contract import codec, keys
 from shared.policy import tracing
 from shared.rabbitmq import amqp

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from tests.support.stack import Stack
 
 

@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from tests.support import services
 from tests.support.stack import Stack
 

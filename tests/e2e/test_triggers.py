@@ -10,8 +10,8 @@ from typing import Any
 import asyncpg
 import redis.asyncio as aioredis
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from shared.contract import keys, timefmt
 from shared.rules import schedule
 from tests.support import services

@@ -9,7 +9,7 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractRobustConnection
 
-from cronbus.sink import Sink
+from cronbus.cli.sink import Sink
 from shared.postgres.store import Store
 from shared.rabbitmq import amqp
 

@@ -10,7 +10,7 @@ import aio_pika
 import asyncpg
 from aio_pika.abc import AbstractRobustConnection
 
-from cronbus.sink import Sink
+from cronbus.cli.sink import Sink
 from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.executor import Executor

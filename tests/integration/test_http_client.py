@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from cronbus.sink import Sink
+from cronbus.cli.sink import Sink
 from services.executor.http import MAX_DRAIN, HttpClient, HttpError, parse_url
 from shared.policy import netpolicy
 

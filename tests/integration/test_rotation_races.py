@@ -11,7 +11,7 @@ import aio_pika
 import asyncpg
 from aio_pika.abc import AbstractRobustConnection
 
-from cronbus.sink import Sink
+from cronbus.cli.sink import Sink
 from services.dispatcher import batch
 from services.dispatcher.intake import Intake
 from services.sweeper.repair import TOMBSTONE_KEEP_MS

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cronbus.sink import Sink
+from cronbus.cli.sink import Sink
 from services.executor.http import HttpClient
 from services.executor.secrets import SecretHeaders
 from services.executor.targets import Webhooks

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from cronbus.sink import Sink
 from shared.contract import codec, keys, timefmt
 from shared.rules import schedule
 from tests.ledger import faults, mix, oracle

@@ -15,7 +15,7 @@ status answered and when the answer went out.
 
 from __future__ import annotations
 
-from cronbus.sink import Received, Sink
+from cronbus.cli.sink import Received, Sink
 from shared.contract import timefmt
 from tests.ledger import oracle
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from cronbus.sink import Sink
+from cronbus.cli.sink import Sink
 from shared.policy import netpolicy
 from tests.ledger import report, run
 from tests.ledger import sink as ledger_sink

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cronbus import procs
-from cronbus.procs import SERVICES, ServiceProcess
+from cronbus.cli import procs
+from cronbus.cli.procs import SERVICES, ServiceProcess
 from tests.support import services
 
 Proc = ServiceProcess

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cronbus import top
+from cronbus.cli import top
 
 DISPATCHER = """
 # TYPE cronbus_published_total counter

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from cronbus.common import CliError
+from cronbus.cli.common import CliError
 from shared.contract import keys
 from shared.contract.errors import ValidationFailed
 from shared.postgres import bulk

@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 
 from cronbus import client as client_module
+from cronbus.cli.common import CliError, amqp_url, database_url
 from cronbus.client import CommandClient
-from cronbus.common import CliError, amqp_url, database_url
 from shared.contract import codec, models, timefmt
 from shared.runtime import transient
 

@@ -14,10 +14,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
-from cronbus import commands, dev, importer, procs, top
-from cronbus import preview as preview_cmd
 from cronbus.bench import command as bench_command
-from cronbus.common import CliError
+from cronbus.cli import commands, dev, importer, procs, top
+from cronbus.cli import preview as preview_cmd
+from cronbus.cli.common import CliError
 from shared.runtime.config import DispatcherSettings, ExecutorSettings, SweeperSettings
 
 Handler = Callable[[argparse.Namespace], int]

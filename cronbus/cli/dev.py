@@ -18,11 +18,11 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cronbus import procs
+from cronbus.cli import procs
+from cronbus.cli.common import CliError
+from cronbus.cli.procs import SERVICES, ServiceProcess
+from cronbus.cli.sink import Received, Sink
 from cronbus.client import CommandClient
-from cronbus.common import CliError
-from cronbus.procs import SERVICES, ServiceProcess
-from cronbus.sink import Received, Sink
 from shared.contract import timefmt
 from shared.policy import netpolicy
 from shared.postgres import db

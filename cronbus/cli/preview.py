@@ -6,7 +6,7 @@ import argparse
 
 import pydantic
 
-from cronbus.common import CliError
+from cronbus.cli.common import CliError
 from shared.contract import codec, models, timefmt, validation
 from shared.rules import schedule
 from shared.rules.plan import Plan, plan_of
