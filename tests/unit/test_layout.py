@@ -84,7 +84,8 @@ def test_a_pure_module_does_no_io(name: str) -> None:
     offending = sorted(
         target
         for target in imported(MODULES[name])
-        if within(target, IO_LIBRARIES) or (within(target, ("shared",)) and not within(target, PURE))
+        if within(target, IO_LIBRARIES)
+        or (within(target, ("shared",)) and not within(target, PURE))
     )
     assert offending == [], f"{name} is in a pure package but imports {offending}"
 
@@ -137,8 +138,8 @@ def test_find_cycle_finds_a_circle_of_three() -> None:
 def test_no_import_circles() -> None:
     graph = {name: project_imports(name) for name in MODULES}
     # A package's __init__ importing its own modules is how a package exposes them, not a circle.
-    for name in graph:
-        graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
+    for name, targets in graph.items():
+        graph[name] = {t for t in targets if not t.startswith(name + ".")}
     assert find_cycle(graph) is None
 
 
