@@ -95,7 +95,7 @@ async def test_a_command_on_two_schedules_keeps_its_place_on_the_one_it_does_not
     holding = asyncio.Event()
 
     async def earlier_on_a() -> None:
-        async with intake._locks_for("o", ["a"]):
+        async with intake.order.turn("o", ["a"]):
             holding.set()
             await release.wait()
 
@@ -137,7 +137,7 @@ async def test_a_batch_whose_index_write_fails_after_the_commit_is_not_applied_t
 
     index.upsert = upsert_once_refused  # type: ignore[method-assign]
     # Two upserts ready together: one group commit; Redis refuses its index write once.
-    results = await intake._commit_upserts(
+    results = await intake.commits.commit_upserts(
         [upsert_item("d", every("a")), upsert_item("d", every("b"))]
     )
     versions = {s: row.version for s in ("a", "b") if (row := await store.get_schedule("d", s))}
@@ -264,13 +264,13 @@ async def test_a_delete_between_a_triggers_commit_and_its_index_write_leaves_not
     first = Intake(settings, store, index, channel, no_wake, asyncio.Event())
     second = Intake(settings, store, index, channel, no_wake, asyncio.Event())
     await second.apply_batch([upsert_item("r", every("a"))])
-    real_index = first._index
+    real_index = first.writes.place
 
     async def slow_index(*args: Any) -> None:
         await asyncio.sleep(0.5)  # the trigger is committed; its index writes come late
         await real_index(*args)
 
-    first._index = slow_index  # type: ignore[method-assign,assignment]
+    first.writes.place = slow_index  # type: ignore[method-assign,assignment]
     trigger = asyncio.create_task(first.trigger("r", "a", CommandAudit("r", "trigger", "a", "ok")))
     await asyncio.sleep(0.2)
     delete = CommandAudit("r", "delete", "a", "ok")

@@ -1,0 +1,128 @@
+"""How a command is answered when it is refused or fails: the reply, the dead letter, the audit.
+
+Every message ends answered or kept: a refusal is audited and replied to, and one nobody would
+hear of (unparseable, no ``reply_to``, or a ``reply_to`` refused) is also dead-lettered with
+the reason in a header, for an operator. After an unexpected error the same is done as far as
+it goes, each step bounded, since whatever failed may fail again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiormq
+from aio_pika.abc import AbstractChannel
+
+from services.dispatcher.intake.receiving import Meta, Received, Unparseable, audit_of
+from shared.contract import codec, keys, models
+from shared.contract.errors import ValidationFailed
+from shared.postgres.store import Store
+from shared.rabbitmq import amqp
+from shared.runtime import metrics
+
+# The package's logger: the intake's log lines keep one logger name whatever module writes them.
+log = logging.getLogger("services.dispatcher.intake")
+
+#: A reply lists at most this many field errors.
+MAX_ERROR_DETAILS = 50
+#: How long each step of reporting an unexpected failure may take.
+FAIL_SAFE_TIMEOUT_S = 5.0
+
+
+def error_of(failure: ValidationFailed) -> dict[str, Any]:
+    """The reply's error: a hostile command may have thousands of problems; list the first."""
+    return {
+        "code": failure.code,
+        "message": str(failure)[:2000],
+        "details": failure.details[:MAX_ERROR_DETAILS],
+    }
+
+
+def reply_to_refused(failure: ValidationFailed) -> bool:
+    return any(d.get("field") == "reply_to" for d in failure.details)
+
+
+class Answers:
+    """Replies on ``reply_to``, refusals and dead letters on the command channel."""
+
+    def __init__(self, store: Store, channel: AbstractChannel) -> None:
+        self.store = store
+        self.channel = channel
+
+    async def refuse(self, failure: ValidationFailed, received: Received) -> dict[str, Any]:
+        meta = received.meta
+        error = error_of(failure)
+        verb = received.verb
+        metrics.COMMANDS.labels(verb if verb in models.VERBS else "unknown", failure.code).inc()
+        log.info(
+            "command refused",
+            extra={
+                "action": "command_refused",
+                "routing_key": meta.routing_key,
+                "code": failure.code,
+                "error": str(failure),
+            },
+        )
+        await self.store.record_command(audit_of(received, failure.code, error))
+        if reply_to_refused(failure):
+            metrics.REPLY_TO_REFUSED.inc()
+        if isinstance(failure, Unparseable) or not meta.reply_to or reply_to_refused(failure):
+            # Nobody would hear of it otherwise: keep the message, with why, for an operator.
+            await self.dead_letter(received, f"{failure.code}: {failure}")
+        return {"ok": False, "error": error}
+
+    async def dead_letter(self, received: Received, reason: str) -> None:
+        meta = received.meta
+        await amqp.dead_letter(
+            self.channel,
+            keys.COMMANDS_QUEUE,
+            received.body,
+            reason,
+            {
+                "reply_to": meta.reply_to,
+                "correlation_id": meta.correlation_id,
+                "message_id": meta.message_id,
+                "headers": {"x-cronbus-routing-key": meta.routing_key},
+            },
+        )
+        metrics.DEAD_LETTERED.labels(keys.COMMANDS_QUEUE).inc()
+
+    async def fail_safely(self, received: Received) -> None:
+        """After an unexpected error: audit, dead-letter and answer ``internal``, each as far as
+        it goes (whatever failed may fail again), and never raise."""
+        failure = ValidationFailed(
+            "internal", "cronbus could not handle this command; the error is logged"
+        )
+        metrics.COMMANDS.labels(
+            received.verb if received.verb in models.VERBS else "unknown", "internal"
+        ).inc()
+        error = error_of(failure)
+        steps: list[Callable[[], Awaitable[None]]] = [
+            lambda: self.store.record_command(audit_of(received, "internal", error)),
+            lambda: self.dead_letter(received, "internal: the error is in the dispatcher's log"),
+        ]
+        if received.meta.reply_to and keys.reply_queue_allowed(received.meta.reply_to):
+            steps.append(lambda: self.answer(received.meta, {"ok": False, "error": error}))
+        for step in steps:
+            try:
+                await asyncio.wait_for(step(), FAIL_SAFE_TIMEOUT_S)
+            except Exception:
+                log.exception("could not report a failed command", extra={"action": "internal"})
+
+    async def answer(self, meta: Meta, reply: dict[str, Any]) -> None:
+        if not meta.reply_to:
+            return
+        # Straight to the protocol channel: aio-pika's Message and Exchange layers cost more
+        # per reply than the publish itself.
+        channel = await self.channel.get_underlay_channel()
+        await channel.basic_publish(
+            codec.dumps(reply),
+            exchange="",
+            routing_key=meta.reply_to,
+            properties=aiormq.spec.Basic.Properties(
+                content_type="application/json", correlation_id=meta.correlation_id
+            ),
+        )

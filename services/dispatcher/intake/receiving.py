@@ -1,0 +1,183 @@
+"""A command as received, and the checks it passes before anything is written.
+
+Everything here needs no I/O: the message's properties, its routing key, its body and the
+command's own fields are checked in order, and ``Received`` is filled as each part becomes
+known, so that a refusal at any step can still audit and dead-letter as much as was understood.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from services.dispatcher import batch
+from shared.contract import commands, keys, models, validation
+from shared.contract.errors import ValidationFailed
+from shared.contract.rows import CommandAudit
+from shared.rabbitmq import amqp
+from shared.rules.plan import Plan
+from shared.runtime.config import DispatcherSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """Who sent a command and where to answer, from the AMQP properties."""
+
+    routing_key: str
+    reply_to: str | None = None
+    correlation_id: str | None = None
+    user_id: str | None = None
+    app_id: str | None = None
+    message_id: str | None = None
+
+    @classmethod
+    def of(cls, message: AbstractIncomingMessage) -> Meta:
+        return cls(
+            routing_key=message.routing_key or "",
+            reply_to=message.reply_to,
+            correlation_id=message.correlation_id,
+            user_id=message.user_id,
+            app_id=message.app_id,
+            message_id=message.message_id,
+        )
+
+
+@dataclass(slots=True)
+class Received:
+    """A command as far as it is understood so far (what a refusal can audit)."""
+
+    body: bytes
+    meta: Meta
+    #: Earlier deliveries of this message (the quorum queue's ``x-delivery-count``).
+    deliveries: int = 0
+    namespace: str | None = None
+    verb: str | None = None
+    parsed: Any = None
+    command: models.Strict | None = None
+    #: An upsert's checked plan (version 0).
+    plan: Plan | None = None
+    #: An upsert_many's schedules, each checked or refused on its own.
+    items: list[batch.UpsertItem | ValidationFailed] = field(default_factory=list)
+    #: The ``id`` each of those schedules gives (None: none that is a string).
+    item_ids: list[str | None] = field(default_factory=list)
+
+
+class Unparseable(ValidationFailed):
+    """The message is not a command at all (or keeps failing): it goes to the dead-letter
+    queue, answered or not."""
+
+
+def delivery_count(message: AbstractIncomingMessage) -> int:
+    value = (message.headers or {}).get("x-delivery-count")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def split_routing_key(routing_key: str) -> tuple[str, str]:
+    namespace, dot, verb = routing_key.partition(".")
+    if not dot or not namespace or not verb:
+        raise Unparseable(
+            "invalid_command",
+            f"routing key {routing_key!r} is not <namespace>.<verb>",
+            [{"field": "routing_key", "reason": "must be <namespace>.<verb>"}],
+        )
+    return namespace, verb
+
+
+class Checks:
+    """The checks of a command in order, against the settings and the operator's target policy."""
+
+    def __init__(self, settings: DispatcherSettings, now_ms: Callable[[], int]) -> None:
+        self.settings = settings
+        self.now_ms = now_ms
+        self.policy = settings.target_policy()
+
+    def validate(self, received: Received) -> None:
+        """Everything that needs no I/O, in order; fills ``received`` as parts become known."""
+        meta = received.meta
+        if received.deliveries >= amqp.COMMAND_DELIVERY_LIMIT:
+            raise Unparseable(
+                "internal",
+                f"the command was delivered {received.deliveries} times without an answer; "
+                "it is kept in the dead-letter queue",
+            )
+        if meta.reply_to and not keys.reply_queue_allowed(meta.reply_to):
+            raise ValidationFailed(
+                "invalid_command",
+                f"reply_to {meta.reply_to[:255]!r} is not allowed: replies go only to "
+                "amq.rabbitmq.reply-to or a server-named amq.gen-* queue",
+                [{"field": "reply_to", "reason": "must be amq.rabbitmq.reply-to or amq.gen-*"}],
+            )
+        if len(received.body) > self.settings.max_command_bytes:
+            raise ValidationFailed(
+                "too_large",
+                f"the command is {len(received.body)} bytes; at most "
+                f"{self.settings.max_command_bytes} are accepted",
+                [{"field": "(body)", "reason": "is too large"}],
+            )
+        validation.check_properties(meta.message_id, meta.correlation_id)
+        namespace, verb = split_routing_key(meta.routing_key)
+        validation.check_namespace(namespace)
+        received.namespace = namespace
+        received.verb = verb
+        try:
+            received.parsed = validation.parse_body(received.body)
+        except ValidationFailed as failure:
+            raise Unparseable(failure.code, str(failure), failure.details) from None
+        received.command = validation.parse_command(verb, received.parsed)
+        if isinstance(received.command, commands.UpsertCommand):
+            received.plan = validation.check_schedule(
+                received.command.schedule, 0, self.now_ms(), self.policy
+            )
+        elif isinstance(received.command, commands.UpsertManyCommand):
+            now = self.now_ms()
+            raws = received.command.schedules
+            received.items = [self._checked_item(namespace, raw, now) for raw in raws]
+            received.item_ids = [schedule_id_of(raw) for raw in raws]
+
+    def _checked_item(
+        self, namespace: str, raw: Any, now_ms: int
+    ) -> batch.UpsertItem | ValidationFailed:
+        try:
+            item = validation.parse_schedule(raw)
+            plan = validation.check_schedule(item, 0, now_ms, self.policy)
+        except ValidationFailed as failure:
+            return failure
+        return batch.UpsertItem(namespace, item, plan)
+
+
+def audit_of(received: Received, outcome: str, error: dict[str, Any] | None = None) -> CommandAudit:
+    """The command's audit row, with as much of it as was understood."""
+    meta = received.meta
+    parsed = received.parsed
+    return CommandAudit(
+        namespace=received.namespace,
+        verb=received.verb,
+        schedule_id=schedule_id_of(parsed),
+        outcome=outcome,
+        body=parsed if isinstance(parsed, dict | list) else None,
+        error=error,
+        user_id=meta.user_id,
+        app_id=meta.app_id,
+        message_id=meta.message_id,
+        correlation_id=meta.correlation_id,
+    )
+
+
+def schedule_ids_of(received: Received) -> list[str]:
+    """The schedules a command touches (their locks keep commands on each in order)."""
+    if isinstance(received.command, commands.UpsertManyCommand):
+        return [item.schedule.id for item in received.items if isinstance(item, batch.UpsertItem)]
+    return [schedule_id_of(received.parsed) or ""]
+
+
+def schedule_id_of(parsed: Any) -> str | None:
+    if not isinstance(parsed, dict):
+        return None
+    found = parsed.get("id")
+    inner = parsed.get("schedule")
+    if found is None and isinstance(inner, dict):
+        found = inner.get("id")
+    return found if isinstance(found, str) else None
