@@ -279,7 +279,7 @@ def exported_names(kind: str, name: str) -> set[str]:
 @functools.cache
 def metric_catalogue() -> frozenset[str]:
     """Every series name the metrics of shared/runtime/metrics.py export."""
-    tree = ast.parse((ROOT / "shared" / "metrics.py").read_text())
+    tree = ast.parse((ROOT / "shared" / "runtime" / "metrics.py").read_text())
     names: set[str] = set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or not node.args:
