@@ -299,7 +299,7 @@ target: {{kind: webhook, url: "{sink.url}/x"}}
     replies = [codec.loads(line) for line in applied.stdout.splitlines()]
     assert [r["ok"] for r in replies] == [True, True, False]
     assert "invalid_schedule: spec.expr: hour: 25 is out of range 0-23" in applied.stderr
-    got = await asyncio.to_thread(run, "get", "nightly", "-n", "team")
+    got = await asyncio.to_thread(run, "get", "nightly", "-n", "team", "-o", "json")
     assert got.returncode == 0
     assert codec.loads(got.stdout)["schedule"]["spec"]["timezone"] == "Europe/Berlin"
     missing = await asyncio.to_thread(run, "get", "nope", "-n", "team")
