@@ -95,6 +95,12 @@ def last_text(schedule: StoredSchedule) -> str:
     return f"{stats.last_status} ({stats.last_error})" if stats.last_error else stats.last_status
 
 
+def fires_text(schedule: StoredSchedule) -> str:
+    """Occurrences started, triggers included (``stats``); without stats, the rotation's count,
+    which is written in batches and trails a little."""
+    return str(schedule.stats.fires if schedule.stats is not None else schedule.fires)
+
+
 def schedules_table(schedules: Sequence[StoredSchedule], *, wide: bool) -> Table:
     headers = ["ID", "STATE", "SCHEDULE", "NEXT FIRE", "LAST", "FIRES"]
     if wide:
@@ -108,7 +114,7 @@ def schedules_table(schedules: Sequence[StoredSchedule], *, wide: bool) -> Table
             spec_text(s.spec),
             instant(s.next_fires[0]) if s.next_fires else "-",
             last_text(s),
-            str(s.fires),
+            fires_text(s),
         ]
         if wide:
             row += [
@@ -134,7 +140,7 @@ def schedule_table(s: StoredSchedule, *, wide: bool) -> Table:
         ("spec", spec_text(s.spec)),
         ("target", target_text(s.target)),
         ("next fires", "\n".join(instant(t) for t in s.next_fires) or "-"),
-        ("fires", str(s.fires)),
+        ("fires", fires_text(s)),
         ("last", last_text(s)),
         ("labels", labels_text(s.labels)),
     ]
