@@ -188,6 +188,7 @@ class Client:
         self._exchange: AbstractExchange | None = None
         self._replies: AbstractQueue | None = None
         self._waiting: dict[str, _Waiting] = {}
+        self._resending: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> Self:
         await self.connect()
@@ -212,7 +213,10 @@ class Client:
             self._connection.reconnect_callbacks.add(self._resend)
 
     async def close(self) -> None:
-        """Close the connection; calls waiting for a reply raise ``NoReply``."""
+        """Close the connection; calls still waiting for a reply raise ``NoReply``."""
+        for waiting in self._waiting.values():
+            if not waiting.reply.done():
+                waiting.reply.set_exception(NoReply("the client was closed before the reply came"))
         if self._connection is not None:
             await self._connection.close()
             self._connection = None
@@ -231,12 +235,24 @@ class Client:
         if waiting is not None and not waiting.reply.done():
             waiting.reply.set_result(codec.loads(message.body))
 
-    async def _resend(self, *_: object) -> None:
+    def _resend(self, *_: object) -> None:
         """After a reconnect: replies on the old channel are lost, so send the commands still
-        waiting again, with their own message_id (cronbus replays them, never applies twice)."""
+        waiting again, with their own message_id (cronbus replays them, never applies twice).
+        On a task of its own: a publish that waits for the channel must not hold up the
+        reconnect that brings it back."""
+        task = asyncio.get_running_loop().create_task(self._publish_waiting())
+        self._resending.add(task)
+        task.add_done_callback(self._resending.discard)
+
+    async def _publish_waiting(self) -> None:
         for waiting in list(self._waiting.values()):
-            if not waiting.reply.done():
+            if waiting.reply.done():
+                continue
+            try:
                 await self._publish(waiting.routing_key, waiting.message)
+            except Exception as exc:  # noqa: BLE001 - the caller waiting for this reply gets it
+                if not waiting.reply.done():
+                    waiting.reply.set_exception(exc)
 
     async def _publish(self, routing_key: str, message: aio_pika.Message) -> None:
         assert self._exchange is not None and self._channel is not None, "not connected"
@@ -315,6 +331,8 @@ class Client:
             async with asyncio.timeout(wait_s):
                 await self._publish(routing_key, message)
                 return await reply
+        except NoReply:
+            raise
         except TimeoutError:
             raise NoReply(
                 f"no reply to {routing_key} within {wait_s:g}s: is a dispatcher running "
