@@ -78,7 +78,7 @@ async def _commands_queue_arguments(channel: AbstractChannel) -> dict[str, Any]:
 
     A queue's arguments cannot change once declared (the broker answers PRECONDITION_FAILED),
     so an install from before the limit keeps its queue as it is, and the operator adds the
-    limit with a policy (docs/security.md, "Upgrading"). The intake enforces the same limit itself from
+    limit with a policy (docs/security.md). The intake enforces the same limit itself from
     the ``x-delivery-count`` header either way. The probe runs on a channel of its own, since
     the refusal closes the channel it happens on.
     """
