@@ -1,27 +1,76 @@
-"""Publishing commands and waiting for their replies (the CLI, tests and benchmarks use it).
+"""The Python client of cronbus: schedule commands over RabbitMQ, answered with typed replies.
 
-A user can do the same with plain aio-pika: publish JSON to exchange ``cronbus.commands`` with
-routing key ``<namespace>.<verb>``, ``reply_to`` (a server-named queue, or direct reply-to) and
-``correlation_id``.
+```python
+from cronbus import Client
+
+async with Client() as c:  # CRONBUS_AMQP_URL, or the local broker
+    s = await c.upsert("billing", {"id": "invoice-42", "spec": {...}, "target": {...}})
+    print(s.version, s.next_fires)
+```
+
+Underneath, each call publishes one command to the exchange ``cronbus.commands`` with routing
+key ``<namespace>.<verb>`` and waits for the reply on RabbitMQ's direct reply-to. The CLI and
+the console use this client; anything it does can also be done with plain AMQP (see the command
+reference).
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from os import environ
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq.exceptions
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustChannel,
+    AbstractRobustConnection,
+)
 
-from shared.contract import codec, keys
+from shared.contract import codec, keys, models, timefmt, validation
+from shared.contract.errors import CommandRefused, CronbusError, ValidationFailed
+from shared.contract.replies import StoredSchedule, Triggered
+from shared.runtime.config import CommonSettings
+
+#: A schedule as the command carries it (a dict), or as the typed model.
+ScheduleInput = models.Schedule | Mapping[str, Any]
+
+#: The broker the services use by default.
+DEFAULT_URL: str = CommonSettings.model_fields["amqp_url"].default
+#: upsert_many sends at most this much per command, well inside the default
+#: CRONBUS_MAX_COMMAND_BYTES (262144).
+MAX_CHUNK_BYTES = 200_000
 
 #: What the broker raises when a user's permissions do not allow an operation: a publish to
 #: another tenant's namespace closes the channel with this.
 ACCESS_REFUSED = (aiormq.exceptions.ChannelAccessRefused,)
+#: A connection or channel that went away under a publish: a robust connection brings it back.
+_LOST = (
+    aiormq.exceptions.ChannelInvalidStateError,
+    aiormq.exceptions.ConnectionClosed,
+    aiormq.exceptions.AMQPConnectionError,
+    ConnectionError,
+)
+
+
+class AccessRefused(CronbusError):
+    """RabbitMQ refused the command: the broker user may not publish to this namespace."""
+
+
+class NoReply(CronbusError, TimeoutError):
+    """No reply came within the timeout: is a dispatcher running against this broker?"""
 
 
 def user_of(url: str) -> str | None:
@@ -31,21 +80,118 @@ def user_of(url: str) -> str | None:
     return unquote(username) if username else None
 
 
-class CommandClient:
-    def __init__(self, url: str, *, app_id: str = "cronbus-cli") -> None:
-        self.url = url
-        self.app_id = app_id
-        self.user_id = user_of(url)
-        self._connection: aio_pika.abc.AbstractConnection | None = None
-        self._channel: AbstractChannel | None = None
-        self._replies: AbstractQueue | None = None
-        self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+@dataclass(frozen=True)
+class ItemResult:
+    """One schedule of an ``upsert_many``: applied (``ok``, its new ``version``) or refused
+    (``error``), exactly as a single upsert would have been."""
 
-    async def __aenter__(self) -> CommandClient:
-        self._connection = await aio_pika.connect(self.url, timeout=10)
-        self._channel = await self._connection.channel(publisher_confirms=True)
-        self._replies = await self._channel.declare_queue(exclusive=True, auto_delete=True)
-        await self._replies.consume(self._on_reply, no_ack=True)
+    id: str | None
+    ok: bool
+    version: int | None = None
+    error: CommandRefused | None = None
+
+    def as_reply(self) -> dict[str, Any]:
+        """The result as the reply carries it."""
+        if self.error is not None:
+            return {"id": self.id, "ok": False, "error": self.error.reply["error"]}
+        return {"id": self.id, "ok": True, "version": self.version}
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of ``list``: the schedules, and the cursor of the next page (None: the last)."""
+
+    schedules: builtins.list[StoredSchedule]
+    next_cursor: str | None
+
+
+def refusal(failure: ValidationFailed) -> CommandRefused:
+    """The client's exception for what the intake would have refused the same way."""
+    return CommandRefused.of(
+        {"code": failure.code, "message": str(failure), "details": failure.details}
+    )
+
+
+def command_form(schedule: ScheduleInput) -> dict[str, Any]:
+    """A schedule as the command carries it: a typed model is written out as its fields."""
+    if isinstance(schedule, models.Schedule):
+        return schedule.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    return dict(schedule)
+
+
+def check(namespace: str, verb: str, body: Mapping[str, Any]) -> None:
+    """Refuse locally what the intake would refuse: the same validation, without a round trip.
+    (What needs the operator's settings, such as allowed hosts, is still checked by cronbus.)"""
+    try:
+        validation.check_namespace(namespace)
+        validation.parse_command(verb, dict(body))
+    except ValidationFailed as failure:
+        raise refusal(failure) from None
+
+
+def chunks(schedules: builtins.list[Any]) -> Iterator[builtins.list[Any]]:
+    """upsert_many bodies: at most 1000 schedules and about MAX_CHUNK_BYTES each."""
+    chunk: builtins.list[Any] = []
+    size = 0
+    for item in schedules:
+        item_size = len(codec.dumps(item)) + 1
+        if chunk and (len(chunk) >= models.MAX_UPSERT_MANY or size + item_size > MAX_CHUNK_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += item_size
+    if chunk:
+        yield chunk
+
+
+def _instant(value: datetime | str) -> str:
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return timefmt.format_ms(timefmt.datetime_to_ms(value))
+    # A naive datetime goes as written, without a zone, so the refusal names the field.
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
+@dataclass
+class _Waiting:
+    routing_key: str
+    message: aio_pika.Message
+    reply: asyncio.Future[dict[str, Any]]
+
+
+class Client:
+    """An asynchronous cronbus client; use it as ``async with Client() as c: ...``.
+
+    The connection is a robust one: it comes back by itself after the broker or the network
+    went away, and a command whose reply was lost with the connection is sent again with the
+    same ``message_id``, which cronbus answers without applying it twice.
+
+    Parameters
+    ----------
+    url
+        The broker, as ``amqp://user:password@host:5672/vhost`` (``amqps://`` for TLS);
+        ``CRONBUS_AMQP_URL`` when None, else the local broker.
+    timeout_s
+        How long each call waits for its reply before raising ``NoReply``.
+    app_id
+        Recorded with every command in cronbus's audit, beside the broker user.
+    """
+
+    def __init__(
+        self, url: str | None = None, timeout_s: float = 30, *, app_id: str = "cronbus-client"
+    ) -> None:
+        self.url = url or environ.get("CRONBUS_AMQP_URL") or DEFAULT_URL
+        self.timeout_s = timeout_s
+        self.app_id = app_id
+        self.user_id = user_of(self.url)
+        self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._exchange: AbstractExchange | None = None
+        self._replies: AbstractQueue | None = None
+        self._waiting: dict[str, _Waiting] = {}
+        self._resending: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
         return self
 
     async def __aexit__(
@@ -54,13 +200,358 @@ class CommandClient:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Open the connection (``async with`` does it for you)."""
+        self._connection = await self._open()
+        self._channel = await self._connection.channel(publisher_confirms=True)
+        self._replies = await self._reply_queue(self._channel)
+        await self._replies.consume(self._on_reply, no_ack=True)
+        self._exchange = await self._channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
+        if isinstance(self._connection, AbstractRobustConnection):
+            self._connection.reconnect_callbacks.add(self._resend)
+
+    async def close(self) -> None:
+        """Close the connection; calls still waiting for a reply raise ``NoReply``."""
+        for waiting in self._waiting.values():
+            if not waiting.reply.done():
+                waiting.reply.set_exception(NoReply("the client was closed before the reply came"))
         if self._connection is not None:
             await self._connection.close()
+            self._connection = None
+
+    async def _open(self) -> AbstractConnection:
+        return await aio_pika.connect_robust(self.url, timeout=10)
+
+    async def _reply_queue(self, channel: AbstractChannel) -> AbstractQueue:
+        # RabbitMQ's direct reply-to: nothing to declare or leave behind, and cronbus answers it
+        # whatever the connection's kind. Declared (passively) rather than merely named, so the
+        # robust channel consumes from it again after a reconnect.
+        return await channel.declare_queue(keys.DIRECT_REPLY_TO, passive=True)
 
     async def _on_reply(self, message: AbstractIncomingMessage) -> None:
-        waiter = self._waiting.pop(message.correlation_id or "", None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(codec.loads(message.body))
+        waiting = self._waiting.get(message.correlation_id or "")
+        if waiting is not None and not waiting.reply.done():
+            waiting.reply.set_result(codec.loads(message.body))
+
+    def _resend(self, *_: object) -> None:
+        """After a reconnect: replies on the old channel are lost, so send the commands still
+        waiting again, with their own message_id (cronbus replays them, never applies twice).
+        On a task of its own: a publish that waits for the channel must not hold up the
+        reconnect that brings it back."""
+        task = asyncio.get_running_loop().create_task(self._publish_waiting())
+        self._resending.add(task)
+        task.add_done_callback(self._resending.discard)
+
+    async def _publish_waiting(self) -> None:
+        for waiting in list(self._waiting.values()):
+            if waiting.reply.done():
+                continue
+            try:
+                await self._publish(waiting.routing_key, waiting.message)
+            except Exception as exc:  # noqa: BLE001 - the caller waiting for this reply gets it
+                if not waiting.reply.done():
+                    waiting.reply.set_exception(exc)
+
+    async def _publish(self, routing_key: str, message: aio_pika.Message) -> None:
+        assert self._exchange is not None and self._channel is not None, "not connected"
+        while True:
+            try:
+                await self._exchange.publish(message, routing_key=routing_key)
+                return
+            except ACCESS_REFUSED as exc:
+                reason = " ".join(str(part) for part in exc.args if part).strip()
+                raise AccessRefused(reason or repr(exc)) from exc
+            except _LOST:
+                if not isinstance(self._channel, AbstractRobustChannel):
+                    raise
+                # The robust connection is coming back: publish again once it has.
+                await asyncio.sleep(0.2)
+                await self._channel.ready()
+
+    async def send(
+        self,
+        namespace: str,
+        verb: str,
+        body: bytes | Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+        message_id: str | None = None,
+        app_id: str | None = None,
+        user_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Publish one command as given and return its reply as a dict, refused or not.
+
+        The typed methods are built on this; use it for what they do not cover. Nothing is
+        checked before sending.
+
+        Parameters
+        ----------
+        namespace, verb
+            The routing key is ``<namespace>.<verb>``.
+        body
+            The command body (a JSON object, or its bytes).
+        timeout_s
+            Overrides the client's timeout for this call.
+        message_id
+            By default a fresh one: if the broker delivers the command twice, cronbus answers
+            the second time instead of applying it again.
+        app_id, user_id
+            Override the client's; ``user_id`` must be the connection's user (RabbitMQ checks
+            it), so the audit records who the broker let in.
+        headers
+            AMQP headers to add.
+
+        Raises
+        ------
+        NoReply
+            No reply within the timeout.
+        AccessRefused
+            The broker user may not publish to this namespace.
+        """
+        correlation_id = uuid.uuid4().hex
+        routing_key = keys.command_routing_key(namespace, verb)
+        message = aio_pika.Message(
+            body if isinstance(body, bytes) else codec.dumps(dict(body)),
+            content_type="application/json",
+            correlation_id=correlation_id,
+            reply_to=self._reply_to(),
+            message_id=message_id or uuid.uuid4().hex,
+            app_id=app_id or self.app_id,
+            user_id=user_id or self.user_id,
+            headers=dict(headers) if headers else None,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[correlation_id] = _Waiting(routing_key, message, reply)
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(wait_s):
+                await self._publish(routing_key, message)
+                return await reply
+        except NoReply:
+            raise
+        except TimeoutError:
+            raise NoReply(
+                f"no reply to {routing_key} within {wait_s:g}s: is a dispatcher running "
+                "against this RabbitMQ?"
+            ) from None
+        finally:
+            self._waiting.pop(correlation_id, None)
+
+    def _reply_to(self) -> str:
+        assert self._replies is not None, "not connected: use 'async with Client() as c'"
+        return self._replies.name
+
+    async def _command(self, namespace: str, verb: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        check(namespace, verb, body)
+        reply = await self.send(namespace, verb, body)
+        if not reply.get("ok"):
+            raise CommandRefused.of(reply.get("error") or {})
+        return reply
+
+    async def upsert(
+        self, namespace: str, schedule: ScheduleInput, *, expected_version: int | None = None
+    ) -> StoredSchedule:
+        """Create or replace a schedule.
+
+        Parameters
+        ----------
+        namespace
+            1-63 lowercase letters, digits, ``_`` or ``-``.
+        schedule
+            A dict in the command's form (``id``, ``spec`` and ``target`` required) or a
+            ``Schedule``; both are validated as cronbus's intake validates them.
+        expected_version
+            Apply only if the stored version is this one (``0``: only create).
+
+        Returns
+        -------
+        StoredSchedule
+            The schedule as stored: ``version``, ``state``, ``next_fires``...
+
+        Raises
+        ------
+        CommandRefused
+            With ``.errors`` naming each offending field; nothing was changed.
+        """
+        body: dict[str, Any] = {"schedule": command_form(schedule)}
+        if expected_version is not None:
+            body["expected_version"] = expected_version
+        reply = await self._command(namespace, "upsert", body)
+        return StoredSchedule.model_validate(reply["schedule"])
+
+    async def upsert_many(
+        self, namespace: str, schedules: Iterable[ScheduleInput]
+    ) -> builtins.list[ItemResult]:
+        """Create or replace many schedules, each applied or refused on its own.
+
+        Sent as ``upsert_many`` commands of up to 1000 schedules each (more are split). A
+        schedule that would be refused is refused here, without being sent.
+
+        Returns
+        -------
+        list[ItemResult]
+            One result per schedule, in input order.
+        """
+        check(namespace, "list", {})  # the namespace only
+        results: builtins.list[ItemResult | None] = []
+        to_send: builtins.list[tuple[int, dict[str, Any]]] = []
+        for position, schedule in enumerate(schedules):
+            raw = command_form(schedule)
+            try:
+                validation.parse_schedule(raw)
+            except ValidationFailed as failure:
+                schedule_id = raw.get("id") if isinstance(raw.get("id"), str) else None
+                results.append(ItemResult(schedule_id, False, error=refusal(failure)))
+                continue
+            results.append(None)
+            to_send.append((position, raw))
+        for chunk in chunks(to_send):
+            reply = await self._command(
+                namespace, "upsert_many", {"schedules": [r for _, r in chunk]}
+            )
+            for (position, _), result in zip(chunk, reply["results"], strict=True):
+                error = result.get("error")
+                results[position] = ItemResult(
+                    result.get("id"),
+                    bool(result.get("ok")),
+                    result.get("version"),
+                    None if error is None else CommandRefused.of(error),
+                )
+        return [result for result in results if result is not None]
+
+    async def get(self, namespace: str, schedule_id: str) -> StoredSchedule:
+        """One schedule, with its ``stats``, ``breaker`` and running ``backfill``.
+
+        Raises
+        ------
+        NotFound
+            There is no such schedule (or it was deleted).
+        """
+        reply = await self._command(namespace, "get", {"id": schedule_id})
+        return StoredSchedule.model_validate(reply["schedule"])
+
+    async def page(
+        self,
+        namespace: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        state: str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page:
+        """One page of ``list``: up to ``limit`` schedules after ``cursor``, in id order."""
+        body: dict[str, Any] = {"limit": limit, "labels": dict(labels or {})}
+        if cursor is not None:
+            body["cursor"] = cursor
+        if state is not None:
+            body["state"] = state
+        reply = await self._command(namespace, "list", body)
+        schedules = [StoredSchedule.model_validate(item) for item in reply["schedules"]]
+        return Page(schedules, reply.get("next_cursor"))
+
+    async def list(
+        self,
+        namespace: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        state: str | None = None,
+        page_size: int = 100,
+    ) -> AsyncIterator[StoredSchedule]:
+        """Every schedule of a namespace, page after page, in id order.
+
+        Parameters
+        ----------
+        labels
+            Only schedules carrying every one of these labels.
+        state
+            Only schedules in this state: ``active``, ``paused`` or ``completed``.
+        page_size
+            Schedules asked for per command (1-1000).
+        """
+        cursor: str | None = None
+        while True:
+            found = await self.page(
+                namespace, labels=labels, state=state, limit=page_size, cursor=cursor
+            )
+            for schedule in found.schedules:
+                yield schedule
+            if found.next_cursor is None:
+                return
+            cursor = found.next_cursor
+
+    async def _by_id(self, verb: str, namespace: str, schedule_id: str) -> StoredSchedule:
+        reply = await self._command(namespace, verb, {"id": schedule_id})
+        return StoredSchedule.model_validate(reply["schedule"])
+
+    async def pause(self, namespace: str, schedule_id: str) -> StoredSchedule:
+        """Stop a schedule firing; it keeps its place. Pausing a paused schedule changes
+        nothing. Raises ``NotFound`` for an unknown schedule."""
+        return await self._by_id("pause", namespace, schedule_id)
+
+    async def resume(self, namespace: str, schedule_id: str) -> StoredSchedule:
+        """Let a paused schedule fire again; its misfire policy decides about the times it
+        missed. Raises ``NotFound`` for an unknown schedule."""
+        return await self._by_id("resume", namespace, schedule_id)
+
+    async def delete(self, namespace: str, schedule_id: str) -> StoredSchedule:
+        """Delete a schedule (returned with state ``deleted``); its pending triggers and
+        backfill go with it. Raises ``NotFound`` for an unknown schedule."""
+        return await self._by_id("delete", namespace, schedule_id)
+
+    async def trigger(self, namespace: str, schedule_id: str) -> Triggered:
+        """Fire a schedule once now, outside its rotation: the run has its own time and key,
+        does not count against ``max_fires`` and does not move the next regular fire. Raises
+        ``NotFound`` for an unknown schedule."""
+        reply = await self._command(namespace, "trigger", {"id": schedule_id})
+        return Triggered.model_validate({**reply["trigger"], "schedule": reply["schedule"]})
+
+    async def backfill(
+        self,
+        namespace: str,
+        schedule_id: str,
+        start: datetime | str,
+        end: datetime | str,
+        *,
+        limit: int | None = None,
+    ) -> int:
+        """Deliver again each nominal occurrence of a schedule in ``[start, end)``, oldest
+        first, one at a time, with the key it had (and ``X-Cronbus-Backfill: true``).
+
+        Parameters
+        ----------
+        start, end
+            Instants: timezone-aware datetimes or RFC 3339 strings; ``end`` not in the future.
+        limit
+            Most occurrences to deliver (default 1000, at most 100000); the oldest are kept.
+
+        Returns
+        -------
+        int
+            How many occurrences will be delivered.
+        """
+        body: dict[str, Any] = {"id": schedule_id, "from": _instant(start), "to": _instant(end)}
+        if limit is not None:
+            body["limit"] = limit
+        reply = await self._command(namespace, "backfill", body)
+        return int(reply["backfill"]["occurrences"])
+
+
+class CommandClient(Client):
+    """For tests: a plain connection that fails rather than heals, replies on a server-named
+    queue, and ``publish`` to send a command without waiting (or as raw bytes)."""
+
+    def __init__(self, url: str, *, app_id: str = "cronbus-cli") -> None:
+        super().__init__(url, app_id=app_id)
+
+    async def _open(self) -> AbstractConnection:
+        return await aio_pika.connect(self.url, timeout=10)
+
+    async def _reply_queue(self, channel: AbstractChannel) -> AbstractQueue:
+        return await channel.declare_queue(exclusive=True, auto_delete=True)
 
     async def publish(
         self,
@@ -73,16 +564,14 @@ class CommandClient:
         content_type: str = "application/json",
     ) -> str:
         """Publish one command; returns its correlation id."""
-        assert self._channel is not None and self._replies is not None
         correlation_id = uuid.uuid4().hex
-        payload = body if isinstance(body, bytes) else codec.dumps(body)
-        exchange = await self._channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
-        await exchange.publish(
+        assert self._exchange is not None, "not connected"
+        await self._exchange.publish(
             aio_pika.Message(
-                payload,
+                body if isinstance(body, bytes) else codec.dumps(body),
                 content_type=content_type,
                 correlation_id=correlation_id,
-                reply_to=self._replies.name if reply else None,
+                reply_to=self._reply_to() if reply else None,
                 message_id=message_id or uuid.uuid4().hex,
                 app_id=self.app_id,
                 user_id=self.user_id,
@@ -91,46 +580,3 @@ class CommandClient:
             routing_key=keys.command_routing_key(namespace, verb),
         )
         return correlation_id
-
-    async def send(
-        self,
-        namespace: str,
-        verb: str,
-        body: bytes | dict[str, Any],
-        *,
-        timeout_s: float = 30,
-        message_id: str | None = None,
-        app_id: str | None = None,
-        user_id: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> dict[str, Any]:
-        """Publish one command and wait for its reply.
-
-        Each command gets a fresh ``message_id`` (unless one is given): if the broker delivers
-        it twice, cronbus answers the second time instead of applying it again. ``app_id``
-        overrides the client's; ``user_id``, when given, must be the connection's user
-        (RabbitMQ checks it), so the command audit records who the broker let in.
-        """
-        waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        correlation_id = uuid.uuid4().hex
-        self._waiting[correlation_id] = waiter
-        assert self._channel is not None and self._replies is not None
-        payload = body if isinstance(body, bytes) else codec.dumps(body)
-        exchange = await self._channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
-        await exchange.publish(
-            aio_pika.Message(
-                payload,
-                content_type="application/json",
-                correlation_id=correlation_id,
-                reply_to=self._replies.name,
-                message_id=message_id or uuid.uuid4().hex,
-                app_id=app_id or self.app_id,
-                user_id=user_id or self.user_id,
-                headers=dict(headers) if headers else None,
-            ),
-            routing_key=keys.command_routing_key(namespace, verb),
-        )
-        try:
-            return await asyncio.wait_for(waiter, timeout_s)
-        finally:
-            self._waiting.pop(correlation_id, None)

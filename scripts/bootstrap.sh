@@ -1,5 +1,6 @@
 # Sourced by the other scripts: creates or reuses .venv and installs cronbus with its
-# development extras whenever pyproject.toml changed since the last successful install.
+# development and documentation extras whenever pyproject.toml changed since the last successful
+# install.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"
@@ -12,7 +13,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "installing cronbus and its dependencies into .venv ..." >&2
   rm -f "$stamp"
   if ! "$VENV/bin/python" -m pip install -q --upgrade pip \
-      || ! "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"; then
+      || ! "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,docs]"; then
     echo "installing cronbus into .venv failed (see above)" >&2
     exit 1
   fi

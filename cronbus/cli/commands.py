@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from cronbus import client as client_module
+from cronbus.cli import output
 from cronbus.cli.common import CliError, amqp_url, database_url
-from cronbus.client import CommandClient
-from shared.contract import codec, models, timefmt
+from cronbus.client import AccessRefused, Client, NoReply, user_of
+from shared.contract import timefmt
+from shared.contract.errors import CommandRefused
+from shared.contract.replies import StoredSchedule
 from shared.runtime import transient
 
 
@@ -55,10 +58,6 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _print(reply: dict[str, Any]) -> None:
-    print(codec.dumps(reply).decode())
-
-
 def _error_line(reply: dict[str, Any]) -> str:
     error = reply.get("error") or {}
     details = error.get("details") or []
@@ -66,99 +65,83 @@ def _error_line(reply: dict[str, Any]) -> str:
     return f"{error.get('code')}: {where or error.get('message')}"
 
 
-async def _send_all(args: argparse.Namespace, verb: str, bodies: list[dict[str, Any]]) -> int:
-    failures = 0
+@contextlib.asynccontextmanager
+async def _connected(args: argparse.Namespace, verb: str) -> AsyncIterator[Client]:
+    """The public client, with what can go wrong on the way told in one line (exit status 2)."""
     try:
-        async with CommandClient(amqp_url(), app_id="cronbus-cli") as client:
-            for body in bodies:
-                try:
-                    reply = await client.send(args.namespace, verb, body, timeout_s=args.timeout)
-                except TimeoutError:
-                    raise CliError(
-                        f"no reply within {args.timeout:g}s: is a dispatcher "
-                        "running against this RabbitMQ?"
-                    ) from None
-                _print(reply)
-                if not reply.get("ok"):
-                    failures += 1
-                    print(f"cronbus {args.command}: {_error_line(reply)}", file=sys.stderr)
-    except client_module.ACCESS_REFUSED as exc:
-        raise CliError(_refused_line(args, verb, exc)) from None
+        async with Client(amqp_url(), timeout_s=args.timeout, app_id="cronbus-cli") as client:
+            yield client
+    except NoReply:
+        raise CliError(
+            f"no reply within {args.timeout:g}s: is a dispatcher running against this RabbitMQ?"
+        ) from None
+    except AccessRefused as exc:
+        user = user_of(amqp_url()) or "this user"
+        raise CliError(
+            f"RabbitMQ refused access (ACCESS_REFUSED): {user} may not send {verb} commands "
+            f"to namespace {args.namespace!r} ({exc})"
+        ) from None
     except transient.ERRORS as exc:
         raise CliError(f"cannot reach RabbitMQ: {exc}") from None
+
+
+def _show(args: argparse.Namespace, reply: dict[str, Any]) -> None:
+    """A reply as ``-o`` asks (get and list), or as JSON (the other verbs: for scripts)."""
+    fmt = getattr(args, "output", "json")
+    if fmt == "json":
+        output.print_json(reply)
+    elif fmt == "yaml":
+        output.print_yaml(reply)
+    elif reply.get("ok"):
+        wide = fmt == "wide"
+        if "schedules" in reply:
+            found = [StoredSchedule.model_validate(item) for item in reply["schedules"]]
+            if not found:
+                print(f"no schedules in namespace {args.namespace!r}", file=sys.stderr)
+                return
+            output.print_table(output.schedules_table(found, wide=wide))
+            if reply.get("next_cursor"):
+                print(f"more: --cursor {reply['next_cursor']}", file=sys.stderr)
+        else:
+            schedule = StoredSchedule.model_validate(reply["schedule"])
+            output.print_table(output.schedule_table(schedule, wide=wide))
+
+
+async def _send_all(args: argparse.Namespace, verb: str, bodies: list[dict[str, Any]]) -> int:
+    failures = 0
+    async with _connected(args, verb) as client:
+        for body in bodies:
+            reply = await client.send(args.namespace, verb, body)
+            _show(args, reply)
+            if not reply.get("ok"):
+                failures += 1
+                print(f"cronbus {args.command}: {_error_line(reply)}", file=sys.stderr)
     return 1 if failures else 0
-
-
-def _refused_line(args: argparse.Namespace, verb: str, exc: BaseException) -> str:
-    user = client_module.user_of(amqp_url()) or "this user"
-    reason = " ".join(str(part) for part in getattr(exc, "args", ()) if part).strip()
-    return (
-        f"RabbitMQ refused access (ACCESS_REFUSED): {user} may not send {verb} commands "
-        f"to namespace {args.namespace!r} ({reason or exc!r})"
-    )
-
-
-#: An upsert_many command stays well inside the default CRONBUS_MAX_COMMAND_BYTES.
-APPLY_CHUNK_BYTES = 200_000
 
 
 def run_apply(args: argparse.Namespace) -> int:
     schedules = load_schedules(args.file)
     if len(schedules) == 1:
         return asyncio.run(_send_all(args, "upsert", [{"schedule": schedules[0]}]))
-    return asyncio.run(_send_many(args, list(chunks(schedules))))
+    return asyncio.run(_apply_many(args, schedules))
 
 
-def chunks(schedules: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
-    """upsert_many bodies: at most 1000 schedules and about APPLY_CHUNK_BYTES each."""
-    chunk: list[dict[str, Any]] = []
-    size = 0
-    for item in schedules:
-        item_size = len(codec.dumps(item)) + 1
-        if chunk and (len(chunk) >= models.MAX_UPSERT_MANY or size + item_size > APPLY_CHUNK_BYTES):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(item)
-        size += item_size
-    if chunk:
-        yield chunk
-
-
-async def _send_many(args: argparse.Namespace, batches: list[list[dict[str, Any]]]) -> int:
+async def _apply_many(args: argparse.Namespace, schedules: list[dict[str, Any]]) -> int:
     """Print one result per schedule (id, ok, version or error), in file order."""
+    async with _connected(args, "upsert_many") as client:
+        try:
+            results = await client.upsert_many(args.namespace, schedules)
+        except CommandRefused as refused:
+            _show(args, refused.reply)
+            print(f"cronbus {args.command}: {_error_line(refused.reply)}", file=sys.stderr)
+            return 1
     failures = 0
-    try:
-        async with CommandClient(amqp_url(), app_id="cronbus-cli") as client:
-            for schedules in batches:
-                try:
-                    reply = await client.send(
-                        args.namespace,
-                        "upsert_many",
-                        {"schedules": schedules},
-                        timeout_s=args.timeout,
-                    )
-                except TimeoutError:
-                    raise CliError(
-                        f"no reply within {args.timeout:g}s: is a dispatcher "
-                        "running against this RabbitMQ?"
-                    ) from None
-                if not reply.get("ok"):
-                    _print(reply)
-                    print(f"cronbus {args.command}: {_error_line(reply)}", file=sys.stderr)
-                    failures += 1
-                    continue
-                for result in reply["results"]:
-                    _print(result)
-                    if not result.get("ok"):
-                        failures += 1
-                        print(
-                            f"cronbus {args.command}: {result.get('id')}: {_error_line(result)}",
-                            file=sys.stderr,
-                        )
-    except client_module.ACCESS_REFUSED as exc:
-        raise CliError(_refused_line(args, "upsert_many", exc)) from None
-    except transient.ERRORS as exc:
-        raise CliError(f"cannot reach RabbitMQ: {exc}") from None
+    for result in results:
+        shown = result.as_reply()
+        output.print_json(shown)
+        if not result.ok:
+            failures += 1
+            print(f"cronbus {args.command}: {result.id}: {_error_line(shown)}", file=sys.stderr)
     return 1 if failures else 0
 
 
@@ -193,36 +176,28 @@ def _label(text: str) -> tuple[str, str]:
 def run_executions(args: argparse.Namespace) -> int:
     from shared.postgres.store import Store  # noqa: PLC0415 - only this subcommand needs PostgreSQL
 
-    async def fetch() -> list[dict[str, Any]]:
+    fmt = "json" if args.json else args.output
+
+    async def watch() -> None:
         try:
             store = await Store.open(database_url(), min_size=1, max_size=1)
         except transient.ERRORS as exc:
             raise CliError(f"cannot reach PostgreSQL: {exc}") from None
         try:
-            return await store.recent_executions(args.namespace, args.id, args.limit)
+            rows = await store.recent_executions(args.namespace, args.id, args.limit)
+            if not rows and fmt in ("table", "wide"):
+                print(f"no executions of {args.namespace}/{args.id}", file=sys.stderr)
+            output.print_executions(rows, fmt, header=bool(rows) or args.watch)
+            seen = {row["idempotency_key"]: row for row in rows}
+            while args.watch:
+                await asyncio.sleep(args.interval)
+                rows = await store.recent_executions(args.namespace, args.id, args.limit)
+                # Oldest first, as they happened: a new occurrence, or one whose attempt moved on.
+                changed = [row for row in reversed(rows) if seen.get(row["idempotency_key"]) != row]
+                seen.update((row["idempotency_key"], row) for row in changed)
+                output.print_executions(changed, fmt, header=False)
         finally:
             await store.close()
 
-    rows = asyncio.run(fetch())
-    if args.json:
-        for row in rows:
-            print(codec.dumps({k: _plain(v) for k, v in row.items()}).decode())
-        return 0
-    if not rows:
-        print(f"no executions of {args.namespace}/{args.id}")
-        return 0
-    print(f"{'FIRE TIME':24} {'STATUS':10} {'TRY':>3} {'HTTP':>4} {'LATE MS':>8}  ERROR")
-    for row in rows:
-        fire = timefmt.format_ms(timefmt.datetime_to_ms(row["nominal_at"]))
-        kind = "*" if row["is_trigger"] else ("b" if row["is_backfill"] else " ")
-        print(
-            f"{fire:23}{kind} {row['status']:10} {row['attempts']:>3} "
-            f"{row['http_status'] or '':>4} {row['lateness_ms']:>8}  {row['error'] or ''}"
-        )
+    asyncio.run(watch())
     return 0
-
-
-def _plain(value: Any) -> Any:
-    if hasattr(value, "tzinfo"):
-        return timefmt.format_ms(timefmt.datetime_to_ms(value))
-    return value

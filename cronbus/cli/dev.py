@@ -18,12 +18,13 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cronbus.cli import procs
+from cronbus.cli import output, procs
 from cronbus.cli.common import CliError
 from cronbus.cli.procs import SERVICES, ServiceProcess
 from cronbus.cli.sink import Received, Sink
-from cronbus.client import CommandClient
+from cronbus.client import Client
 from shared.contract import timefmt
+from shared.contract.errors import CommandRefused
 from shared.policy import netpolicy
 from shared.postgres import db
 from shared.runtime import transient
@@ -174,12 +175,14 @@ async def _wait_ready(children: list[ServiceProcess], timeout_s: float) -> None:
 
 
 async def _register_demo(settings: CommonSettings, sink: Sink) -> None:
-    async with CommandClient(settings.amqp_url, app_id="cronbus-dev") as client:
+    async with Client(settings.amqp_url, app_id="cronbus-dev") as client:
         for item in demo_schedules(sink.url, int(time.time() * 1000)):
-            reply = await client.send("demo", "upsert", {"schedule": item})
-            if not reply.get("ok"):
-                raise CliError(f"demo schedule {item['id']} refused: {reply.get('error')}")
-            print(f"registered demo/{item['id']}: next {reply['schedule']['next_fires'][:2]}")
+            try:
+                stored = await client.upsert("demo", item)
+            except CommandRefused as refused:
+                raise CliError(f"demo schedule {item['id']} refused: {refused}") from None
+            upcoming = ", ".join(output.instant(t) for t in stored.next_fires[:2])
+            print(f"registered demo/{item['id']}: next {upcoming}")
 
 
 async def _dev(args: argparse.Namespace) -> int:

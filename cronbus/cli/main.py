@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
 from cronbus.bench import command as bench_command
-from cronbus.cli import commands, dev, importer, procs, top
+from cronbus.cli import commands, completion, dev, importer, output, procs, top
 from cronbus.cli import preview as preview_cmd
 from cronbus.cli.common import CliError
 from shared.runtime.config import DispatcherSettings, ExecutorSettings, SweeperSettings
@@ -40,8 +40,12 @@ def _add_commands(sub: Subparsers) -> None:
     p.add_argument("-f", "--file", required=True, help="file of one or many schedules ('-': stdin)")
     _with_namespace(p)
     p.set_defaults(handler=commands.run_apply)
+    p = sub.add_parser("get", help="show a schedule with its next fire times and stats")
+    p.add_argument("id", help="schedule id")
+    _with_namespace(p)
+    output.add_option(p)
+    p.set_defaults(handler=commands.run_by_id)
     for verb, text in (
-        ("get", "show a schedule with its next fire times"),
         ("pause", "stop a schedule firing (it keeps its place)"),
         ("resume", "let a paused schedule fire again (misfire policy applies)"),
         ("delete", "delete a schedule"),
@@ -70,6 +74,7 @@ def _add_commands(sub: Subparsers) -> None:
     p.add_argument("-l", "--label", action="append", help="key=value (repeatable)")
     p.add_argument("--state", choices=("active", "paused", "completed"))
     _with_namespace(p)
+    output.add_option(p)
     p.set_defaults(handler=commands.run_list)
     p = sub.add_parser("import", help="bulk-load schedules from a JSON-lines file")
     p.add_argument("file", help="one schedule per line, as in upsert ('-': stdin)")
@@ -79,8 +84,15 @@ def _add_commands(sub: Subparsers) -> None:
     p = sub.add_parser("executions", help="recent executions of a schedule (from PostgreSQL)")
     p.add_argument("id", help="schedule id")
     p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--json", action="store_true", help="the same as -o json")
+    p.add_argument(
+        "-w", "--watch", action="store_true", help="then print executions as they come or change"
+    )
+    p.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between looks with --watch (2)"
+    )
     _with_namespace(p)
+    output.add_option(p, rows="one JSON object per line")
     p.set_defaults(handler=commands.run_executions)
 
 
@@ -135,6 +147,9 @@ def _add_operations(sub: Subparsers) -> None:
     p.set_defaults(handler=dev.run)
     bench_command.add_parser(sub)
     top.add_parser(sub)
+    p = sub.add_parser("completion", help="print a shell completion script: bash or zsh")
+    p.add_argument("shell", choices=completion.SHELLS)
+    p.set_defaults(handler=_completion)
     p = sub.add_parser("sink", help="an HTTP sink that prints every delivery it receives")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8099)
@@ -183,9 +198,26 @@ def _run_console(args: argparse.Namespace) -> int:
     return 0
 
 
+def _completion(args: argparse.Namespace) -> int:
+    print(completion.script(build_parser(), args.shell))
+    return 0
+
+
+EXIT_CODES = """exit status:
+  0    done (every command answered ok)
+  1    cronbus refused a command (the reason on stderr; with several, at least one)
+  2    a usage error, or cronbus could not be asked: RabbitMQ or PostgreSQL unreachable,
+       access refused by the broker, no reply within --timeout
+  130  interrupted (Ctrl-C)
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cronbus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="cronbus",
+        description=__doc__,
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_commands(sub)

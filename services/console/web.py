@@ -25,7 +25,7 @@ import aiormq.exceptions
 import jinja2
 from aiohttp import web
 
-from cronbus.client import CommandClient
+from cronbus.client import Client
 from services.console import readmodel, views
 from services.console.readmodel import ReadModel
 from shared.contract import models
@@ -60,10 +60,6 @@ def audit_user(header: str | None) -> str:
     short string and into logs)."""
     text = _USER_UNSAFE.sub("_", (header or "").strip())[:100]
     return text or "anonymous"
-
-
-def amqp_user_of(url: str) -> str | None:
-    return urlsplit(url).username or None
 
 
 def _environment() -> jinja2.Environment:
@@ -317,14 +313,13 @@ class Console:
             extra={"action": "console_action", "verb": verb, "namespace": namespace, "user": user},
         )
         try:
-            async with CommandClient(url, app_id="cronbus-console") as client:
+            # The client sends user_id as the URL's broker user, which RabbitMQ checks.
+            async with Client(url, timeout_s=10, app_id="cronbus-console") as client:
                 reply = await client.send(
                     namespace,
                     verb,
                     body,
-                    timeout_s=10,
                     app_id=f"cronbus-console:{user}",
-                    user_id=amqp_user_of(url),
                     headers={"x-cronbus-on-behalf-of": user},
                 )
         except SEND_ERRORS as exc:

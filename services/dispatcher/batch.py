@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.dispatcher.views import view
-from shared.contract import keys, models
+from shared.contract import errors, keys, models
 from shared.contract.entries import Upsert
 from shared.contract.errors import ValidationFailed
 from shared.contract.rows import AppliedCommand, CommandAudit, NewScheduleRow, ScheduleRow
@@ -255,7 +255,7 @@ def next_version(
 
 def not_found(namespace: str, schedule_id: str) -> ValidationFailed:
     return ValidationFailed(
-        "not_found",
+        errors.NOT_FOUND,
         f"no schedule {namespace}/{schedule_id}",
         [{"field": "id", "reason": f"no schedule {schedule_id!r} in namespace {namespace!r}"}],
     )

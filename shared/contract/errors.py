@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
 
 class CronbusError(Exception):
     """A cronbus operation failed."""
@@ -60,3 +64,61 @@ class ValidationFailed(CronbusError):
 
 class ConfigError(CronbusError):
     """A setting (or a file it names) is not valid."""
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One field of a refused command, and why it was refused."""
+
+    #: The field, named as in the command (``spec.expr``, ``target.headers.X-A``, ``id``).
+    field: str
+    #: Why it was refused, in words.
+    reason: str
+
+
+class CommandRefused(CronbusError):
+    """cronbus refused a command: nothing was changed.
+
+    Attributes
+    ----------
+    code
+        The reply's error code: ``invalid_schedule``, ``invalid_command``, ``not_found``,
+        ``version_conflict``, ``quota_exceeded``, ``conflict``, ``too_large``, ``internal``...
+    message
+        One line saying what is wrong.
+    errors
+        Each offending field with its reason (at most 50).
+    reply
+        The refusal as the reply carries it: ``{"ok": false, "error": {...}}``.
+    """
+
+    def __init__(self, code: str, message: str, errors: Sequence[FieldError] = ()) -> None:
+        self.code = code
+        self.message = message
+        self.errors = tuple(errors)
+        super().__init__(f"{code}: {message}")
+
+    @property
+    def reply(self) -> dict[str, Any]:
+        details = [{"field": e.field, "reason": e.reason} for e in self.errors]
+        return {
+            "ok": False,
+            "error": {"code": self.code, "message": self.message, "details": details},
+        }
+
+    @staticmethod
+    def of(error: Mapping[str, Any]) -> CommandRefused:
+        """The exception for a reply's ``error`` object: NotFound for ``not_found``."""
+        details = error.get("details") or []
+        errors = [FieldError(str(d.get("field")), str(d.get("reason"))) for d in details]
+        code = str(error.get("code"))
+        kind = NotFound if code == NOT_FOUND else CommandRefused
+        return kind(code, str(error.get("message")), errors)
+
+
+#: The error code of a command about a schedule that does not exist (or was deleted).
+NOT_FOUND = "not_found"
+
+
+class NotFound(CommandRefused):
+    """The schedule does not exist (or was deleted): the refusal with code ``not_found``."""

@@ -415,7 +415,9 @@ READ_ONLY_REASONS = {
 ReadOnly = Annotated[None, Field(exclude=True)]
 
 
-class Schedule(Strict):
+class ScheduleDefinition(Strict):
+    """What a user defines: the fields an upsert carries, which a reply shows back as stored."""
+
     id: str
     spec: Spec
     target: Target
@@ -432,6 +434,20 @@ class Schedule(Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     #: Pause the schedule after this many consecutive occurrences ended dead (none: never).
     pause_after_failures: int | None = Field(default=None, ge=1, le=1000)
+
+    @field_validator("id")
+    @classmethod
+    def _id_is_safe(cls, value: str) -> str:
+        return check_schedule_id(value)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_are_bounded(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_labels(value)
+
+
+class Schedule(ScheduleDefinition):
+    """A schedule as an upsert carries it: the fields cronbus assigns are refused, by name."""
 
     # Fields that replies show but cronbus assigns.
     version: ReadOnly = None
@@ -463,16 +479,6 @@ class Schedule(Strict):
     @classmethod
     def _refuse_read_only(cls, value: object, info: ValidationInfo) -> None:
         raise ValueError(READ_ONLY_REASONS[str(info.field_name)])
-
-    @field_validator("id")
-    @classmethod
-    def _id_is_safe(cls, value: str) -> str:
-        return check_schedule_id(value)
-
-    @field_validator("labels")
-    @classmethod
-    def _labels_are_bounded(cls, value: dict[str, str]) -> dict[str, str]:
-        return check_labels(value)
 
 
 def check_schedule_id(value: str) -> str:

@@ -78,7 +78,7 @@ async def _commands_queue_arguments(channel: AbstractChannel) -> dict[str, Any]:
 
     A queue's arguments cannot change once declared (the broker answers PRECONDITION_FAILED),
     so an install from before the limit keeps its queue as it is, and the operator adds the
-    limit with a policy (README, "Upgrading"). The intake enforces the same limit itself from
+    limit with a policy (docs/security.md). The intake enforces the same limit itself from
     the ``x-delivery-count`` header either way. The probe runs on a channel of its own, since
     the refusal closes the channel it happens on.
     """
@@ -91,7 +91,7 @@ async def _commands_queue_arguments(channel: AbstractChannel) -> dict[str, Any]:
         await probe.queue_declare(keys.COMMANDS_QUEUE, durable=True, arguments=limited)
     except aiormq.exceptions.ChannelPreconditionFailed:
         log.warning(
-            "the commands queue has no delivery limit; add one with a policy (README, Upgrading)",
+            "the commands queue has no delivery limit; add one with a policy (docs/security.md)",
             extra={"action": "commands_queue_without_limit"},
         )
         return keys.quorum_queue_arguments(keys.COMMANDS_QUEUE)

@@ -1,6 +1,7 @@
 """Configuration from ``CRONBUS_*`` environment variables (pydantic-settings), per service.
 
-Every setting is documented in README's configuration table; a test keeps the two in step.
+The configuration reference (docs/configuration.md) is written from this module: each field's
+``#:`` comment is its meaning there (``python -m cronbus.reference``; a test keeps them in step).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CRONBUS_", extra="ignore", frozen=True)
 
-    #: Redis (any node of a cluster when redis_cluster is set).
+    #: Redis (any node of a cluster when CRONBUS_REDIS_CLUSTER is set); rediss:// for TLS.
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Talk to a Redis Cluster: each shard's keys share a hash tag, so scripts touch one slot.
     redis_cluster: bool = False
@@ -32,7 +33,9 @@ class CommonSettings(BaseSettings):
     #: CA bundle that signed the Redis server's certificate (rediss:// only); empty: the
     #: system's trust store. The hostname is always verified.
     redis_ca_file: str = ""
+    #: RabbitMQ; amqps:// for TLS (with ?cafile=... for a private CA).
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    #: PostgreSQL; add ?sslmode=verify-full (and sslrootcert=...) for TLS.
     database_url: str = "postgresql://postgres@127.0.0.1:5432/cronbus"
     #: Logical shards of the index; fixed at install (changing it needs a rebuild).
     shards: int = Field(default=16, ge=1, le=1024)
@@ -42,17 +45,21 @@ class CommonSettings(BaseSettings):
     lease_s: float = Field(default=30, gt=0, le=3600)
     #: How often the sweeper reclaims expired leases and checks the index.
     sweep_interval_s: float = Field(default=5, gt=0, le=3600)
-    #: On SIGTERM, how long a service may take to finish what it holds.
+    #: On SIGTERM, the most time a service takes to stop, whatever is unreachable (see
+    #: Guarantees).
     shutdown_grace_s: float = Field(default=20, ge=0, le=600)
     #: Apply pending database migrations when the service starts.
     migrate_on_start: bool = True
     #: OpenTelemetry collector (OTLP over HTTP, e.g. http://otel-collector:4318) that receives
-    #: claim, publish, deliver and settle spans; empty: no export (and no cost).
+    #: claim, publish, deliver and settle spans; empty: no export (and no cost). Needs
+    #: pip install 'cronbus[otel]'.
     otlp_endpoint: str = ""
+    #: DEBUG, INFO, WARNING or ERROR.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: json: one JSON object per line; text: for people at a terminal.
     log_format: Literal["json", "text"] = "json"
-    #: JSON file of per-namespace quotas (see shared.runtime.quotas); empty: no quotas.
+    #: JSON file of per-namespace max_schedules and max_fires_per_s (see Quotas); empty: no
+    #: quotas.
     quotas_file: str = ""
 
     @field_validator("redis_url", "amqp_url", "database_url")
@@ -142,7 +149,7 @@ class ExecutorSettings(WebhookPolicySettings):
     prefetch: int = Field(default=64, ge=1, le=65_535)
     #: Deliveries (HTTP calls or publishes) in flight at once.
     concurrency: int = Field(default=512, ge=1, le=100_000)
-    #: Open HTTP connections per target host.
+    #: Webhook calls in flight per host (each on its own keep-alive connection).
     http_connections_per_host: int = Field(default=256, ge=1)
     #: Webhook calls in flight, and idle keep-alive connections kept, across all hosts.
     http_connections_total: int = Field(default=1024, ge=1)
@@ -157,9 +164,10 @@ class ExecutorSettings(WebhookPolicySettings):
     complete_flush_ms: int = Field(default=5, ge=0, le=10_000)
     #: Longest wait before execution rows are written to PostgreSQL in a batch.
     audit_flush_ms: int = Field(default=500, ge=1, le=60_000)
-    #: Execution rows kept in memory while PostgreSQL is away; when full, consuming pauses.
+    #: Execution rows kept in memory while PostgreSQL is away; when full, delivering pauses
+    #: (nothing is dropped).
     audit_buffer_max: int = Field(default=200_000, ge=1000)
-    #: Which outcomes go to cronbus.events: all, failures (failed, dead) or none.
+    #: Which outcomes go to cronbus.events: all, failures (failed, dead, paused) or none.
     events: Literal["all", "failures", "none"] = "all"
     #: Longest hold a Retry-After (of a 429 or 503) puts on its rate key.
     max_retry_after_s: float = Field(default=3600, ge=0, le=86_400)
@@ -181,7 +189,9 @@ class SweeperSettings(CommonSettings):
     rebuild_batch: int = Field(default=2000, ge=1, le=100_000)
     #: How often schedules changed recently are compared between PostgreSQL and the index.
     drift_check_interval_s: float = Field(default=30, gt=0)
-    #: How often every schedule and index entry is compared (a full scan).
+    #: Everything compared both ways within this long: a rolling pass, each drift check
+    #: comparing the next slice (entries / (this / check interval), at least 2000) of rows and
+    #: of index entries, so no check is a burst.
     drift_full_interval_s: float = Field(default=900, gt=0)
     #: Executions older than this many days are dropped (a whole day partition at a time).
     retention_days: int = Field(default=7, ge=1, le=3650)
@@ -197,7 +207,7 @@ class ConsoleSettings(CommonSettings):
     console_port: int = Field(default=8080, ge=0, le=65535)
     #: Address the pages listen on.
     console_host: str = "0.0.0.0"
-    #: Show pause, resume and trigger buttons and accept them (sent as commands over AMQP).
+    #: Show and accept pause, resume, trigger and backfill (from, to), sent as commands.
     console_actions: bool = False
     #: The console's own broker user for actions, so broker permissions apply to it
     #: (empty: CRONBUS_AMQP_URL).

@@ -20,7 +20,7 @@ from shared.contract import codec, keys
 from tests.support import services
 from tests.support.stack import Stack
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+COMMANDS = (Path(__file__).resolve().parents[2] / "docs" / "commands.md").read_text()
 
 
 def hook(sink: Sink, path: str = "/hook") -> dict[str, Any]:
@@ -299,7 +299,7 @@ target: {{kind: webhook, url: "{sink.url}/x"}}
     replies = [codec.loads(line) for line in applied.stdout.splitlines()]
     assert [r["ok"] for r in replies] == [True, True, False]
     assert "invalid_schedule: spec.expr: hour: 25 is out of range 0-23" in applied.stderr
-    got = await asyncio.to_thread(run, "get", "nightly", "-n", "team")
+    got = await asyncio.to_thread(run, "get", "nightly", "-n", "team", "-o", "json")
     assert got.returncode == 0
     assert codec.loads(got.stdout)["schedule"]["spec"]["timezone"] == "Europe/Berlin"
     missing = await asyncio.to_thread(run, "get", "nope", "-n", "team")
@@ -322,11 +322,11 @@ target: {{kind: webhook, url: "{sink.url}/x"}}
     assert bad_file.returncode == 2 and len(bad_file.stderr.strip().splitlines()) == 1
 
 
-async def test_the_readme_python_example_works_as_written(
+async def test_the_plain_amqp_example_works_as_written(
     stack: Stack, amqp_url: str, tmp_path: Path
 ) -> None:
     await stack.start_all(("dispatcher",))
-    snippet = README.split("```python\n", 1)[1].split("```", 1)[0]
+    snippet = COMMANDS.split("```python\n", 1)[1].split("```", 1)[0]
     assert '"amqp://guest:guest@127.0.0.1:5672/"' in snippet
     script = tmp_path / "example.py"
     script.write_text(snippet.replace('"amqp://guest:guest@127.0.0.1:5672/"', repr(amqp_url)))

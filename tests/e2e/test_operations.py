@@ -137,7 +137,7 @@ async def test_stats_count_each_outcome_and_cronbus_get_shows_them(
     listed = await client.send("acme", "list", {})
     assert listed["schedules"][0]["stats"]["dead"] == 1
 
-    printed = cli(amqp_url, "get", "flaky", "-n", "acme")
+    printed = cli(amqp_url, "get", "flaky", "-n", "acme", "-o", "json")
     assert printed.returncode == 0, printed.stderr
     assert '"stats":' in printed.stdout and '"dead":1' in printed.stdout, printed.stdout
 

@@ -1,5 +1,5 @@
-"""Namespaces enforced by the broker: per-tenant RabbitMQ users with topic permissions, as README
-("Security") tells an operator to set them up."""
+"""Namespaces enforced by the broker: per-tenant RabbitMQ users with topic permissions, as the
+security page (docs/security.md) tells an operator to set them up."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import aiormq.exceptions
 import asyncpg
 import pytest
 
-from cronbus.client import CommandClient
+from cronbus.client import AccessRefused, Client, CommandClient
 from tests.support import services
 from tests.support.stack import Stack
 
@@ -36,7 +36,7 @@ def hourly(schedule_id: str) -> dict[str, Any]:
 
 def tenant_permissions(namespace: str) -> tuple[list[str], dict[str, tuple[str, str]]]:
     """(configure, write, read) and the topic permissions (exchange -> (write, read)) of a
-    tenant who owns ``namespace``: exactly README's recipe."""
+    tenant who owns ``namespace``: exactly the security page's recipe."""
     own_queues = r"^amq\.gen-.*"
     return (
         [own_queues, r"^(cronbus\.commands|amq\.gen-.*)$", r"^(cronbus\.events|amq\.gen-.*)$"],
@@ -103,9 +103,15 @@ async def test_a_tenant_can_neither_command_nor_watch_another_namespace(
         )
         assert theirs["ok"] is True
 
+    # The public client takes its replies on direct reply-to: the tenant's permissions do.
+    async with Client(tenants["alpha"], timeout_s=20) as public:
+        assert (await public.get("alpha", "a1")).id == "a1"
+        with pytest.raises(AccessRefused):
+            await public.get("beta", "b1")
+
     # alpha publishing a command for beta's namespace: the broker refuses it.
     async with CommandClient(tenants["alpha"]) as alpha:
-        with pytest.raises(aiormq.exceptions.ChannelAccessRefused) as refused:
+        with pytest.raises(AccessRefused) as refused:
             await alpha.send("beta", "delete", {"id": "b1"}, timeout_s=5)
         assert "beta.delete" in str(refused.value)
 

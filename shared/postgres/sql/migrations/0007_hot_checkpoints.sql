@@ -22,7 +22,7 @@
 -- Pages written before this migration keep their packing: a fillfactor applies only to
 -- pages filled from now on (new rows, and rows that move). Until the tables are rewritten,
 -- updates of the rows on those pages are HOT only as far as pruning makes room. To rewrite
--- them (README, "Upgrading to migration 0007"): `VACUUM FULL schedules, schedule_stats;` in
+-- them (docs/deployment.md, "Upgrading"): `VACUUM FULL schedules, schedule_stats;` in
 -- a maintenance window (it holds an ACCESS EXCLUSIVE lock for its whole run: every read and
 -- write of those tables waits), or online with pg_repack (`pg_repack --table=schedules
 -- --table=schedule_stats`; the extension must be installed in the database).

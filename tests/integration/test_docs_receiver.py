@@ -1,5 +1,5 @@
-"""The README's receiver example, run as written: it accepts a delivery cronbus signed and
-refuses one it did not."""
+"""The receiver example of the security page, run as written: it accepts a delivery cronbus
+signed and refuses one it did not."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from shared.policy import signing
 from shared.rules import schedule
 from tests.support import services
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+SECURITY = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
 
 
 def receiver_example() -> tuple[str, str]:
     """The example's code and the secret it verifies with."""
-    section = README.split("### Signed webhooks", 1)[1]
+    section = SECURITY.split("## Signed webhooks", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert code is not None
     secret = re.search(r'Webhook\("(whsec_[^"]+)"\)', code[1])
@@ -39,7 +39,7 @@ def post(port: int, body: bytes, headers: list[tuple[str, str]]) -> int:
         return exc.code
 
 
-def test_the_readme_receiver_verifies_a_cronbus_signature(tmp_path: Path) -> None:
+def test_the_documented_receiver_verifies_a_cronbus_signature(tmp_path: Path) -> None:
     code, secret = receiver_example()
     port = services.free_port()
     script = tmp_path / "receiver.py"

@@ -1,0 +1,115 @@
+"""How the CLI shows schedules and executions to people (no I/O): aligned columns, a field a
+line, and executions that --watch prints later lining up under the header."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+from contextlib import redirect_stdout
+from typing import Any
+
+from cronbus.cli import completion, output
+from cronbus.cli.main import build_parser
+from shared.contract.replies import StoredSchedule
+
+NOW = "2027-01-04T08:00:00Z"
+
+
+def stored(schedule_id: str, spec: dict[str, Any], **extra: Any) -> StoredSchedule:
+    return StoredSchedule.model_validate(
+        {
+            "id": schedule_id,
+            "spec": spec,
+            "target": {"kind": "webhook", "url": "http://billing.example/remind"},
+            "namespace": "billing",
+            "version": 2,
+            "state": "active",
+            "fires": 7,
+            "last_fire_at": None,
+            "next_fires": [NOW, "2027-01-05T08:00:00Z"],
+            "created_at": NOW,
+            "updated_at": NOW,
+            **extra,
+        }
+    )
+
+
+def printed(table: Any) -> list[str]:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        output.print_table(table)
+    return [line for line in out.getvalue().splitlines() if line.strip()]
+
+
+def test_a_list_is_one_aligned_row_per_schedule() -> None:
+    lines = printed(
+        output.schedules_table(
+            [
+                stored(
+                    "invoice-42",
+                    {"kind": "cron", "expr": "0 9 * * MON-FRI", "timezone": "Europe/Berlin"},
+                ),
+                stored("a-much-longer-identifier", {"kind": "interval", "every_s": 60}),
+            ],
+            wide=False,
+        )
+    )
+    header, rule, *rows = lines
+    assert set(rule.strip()) == {"─"}
+    assert all(line == line.rstrip() for line in lines)
+    start = header.index("SCHEDULE")
+    assert [row[start:].split("  ")[0] for row in rows] == [
+        "cron 0 9 * * MON-FRI (Europe/Berlin)",
+        "every 60s",
+    ]
+    assert all(row[header.index("NEXT FIRE") :].startswith(NOW) for row in rows)
+
+
+def test_get_shows_a_field_a_line_and_wide_shows_more() -> None:
+    schedule = stored(
+        "invoice-42",
+        {"kind": "once", "at": "2027-02-01T00:00:00Z"},
+        state="paused",
+        paused_reason="failures",
+        labels={"team": "billing"},
+    )
+    fields = {
+        line.split()[0]: line.split(None, 1)[1]
+        for line in printed(output.schedule_table(schedule, wide=False))
+        if line[:1].strip()
+    }
+    assert (
+        fields["state"] == "paused (failures)" and fields["spec"] == "once at 2027-02-01T00:00:00Z"
+    )
+    assert fields["labels"] == "team=billing" and "retry" not in fields
+    wide = printed(output.schedule_table(schedule, wide=True))
+    assert any(line.startswith("retry") and "3 attempts" in line for line in wide)
+
+
+def test_executions_line_up_under_the_header_whatever_their_width() -> None:
+    row = {
+        "nominal_at": dt.datetime(2027, 1, 4, 8, tzinfo=dt.UTC),
+        "is_trigger": True,
+        "is_backfill": False,
+        "status": "dead",
+        "attempts": 12,
+        "http_status": 503,
+        "lateness_ms": 1234567,
+        "error": "HTTP 503",
+        "started_at": None,
+        "finished_at": None,
+        "idempotency_key": "k",
+    }
+    header = output.execution_header(wide=False)
+    line = output.execution_line(row, wide=False)
+    assert line[header.index("KIND") :].startswith("trigger")
+    assert line[header.index("STATUS") :].startswith("dead")
+    assert line[header.index("ERROR") :] == "HTTP 503"
+    assert output.plain(row)["nominal_at"] == "2027-01-04T08:00:00Z"
+
+
+def test_completion_offers_every_subcommand() -> None:
+    script = completion.script(build_parser(), "bash")
+    for name in ("apply", "get", "list", "executions", "completion", "bench", "preview"):
+        assert f"[cronbus\\ {name}]=" in script or f"['cronbus {name}']=" in script
+    assert "bashcompinit" in completion.script(build_parser(), "zsh")
