@@ -31,9 +31,9 @@ from shared.runtime import metrics, transient
 from shared.runtime.config import SweeperSettings
 from shared.runtime.readahead import read_ahead
 
-log = logging.getLogger(__name__)
+# The sweeper's log lines keep one logger name, whichever module writes them.
+log = logging.getLogger("services.sweeper.sweeper")
 
-TOMBSTONE_CHECK_MS = 60_000
 #: The rebuild lock's time to live (s), and how often a running rebuild renews it.
 REBUILD_LOCK_S = 60
 REBUILD_LOCK_RENEW_S = 15.0

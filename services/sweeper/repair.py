@@ -22,7 +22,8 @@ from shared.rules.plan import same_rotation
 from shared.runtime import metrics
 from shared.runtime.readahead import read_ahead
 
-log = logging.getLogger(__name__)
+# The sweeper's log lines keep one logger name, whichever module writes them.
+log = logging.getLogger("services.sweeper.sweeper")
 
 #: Drift repair looks this far behind the previous check, on PostgreSQL's clock: a row is
 #: stamped when its transaction starts, and may commit a little later.
@@ -34,7 +35,6 @@ TOMBSTONE_CHECK_MS = 60_000
 #: Tombstones are kept at least this long: past any rebuild or repair that read PostgreSQL
 #: before the delete or the finish they record.
 TOMBSTONE_KEEP_MS = 600_000
-#: How often tombstones are looked at (ms).
 
 
 def _finished_checkpoint(row: LiveSchedule) -> Checkpoint:

@@ -28,7 +28,7 @@ import pydantic
 import pytest
 import yaml
 
-from cronbus.cli import build_parser
+from cronbus.cli.main import build_parser
 from shared.contract import keys
 from shared.runtime.config import (
     CommonSettings,

@@ -10,7 +10,7 @@ CREATE TABLE schedules (
                   CHECK (state IN ('active', 'paused', 'completed', 'deleted')),
     -- The schedule as the user sent it, with every default filled in.
     definition    jsonb       NOT NULL,
-    -- The exact value the Redis index stores (shared.rules.compact), so a rebuild need not re-validate.
+    -- The exact value the Redis index stores (shared.compact), so a rebuild need not re-validate.
     compact       bytea       NOT NULL,
     priority      integer     NOT NULL DEFAULT 0,
     labels        jsonb       NOT NULL DEFAULT '{}'::jsonb,

@@ -1,0 +1,1 @@
+"""Unit tests of cronbus/bench (its pure parts): no I/O."""
