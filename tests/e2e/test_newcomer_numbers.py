@@ -107,7 +107,7 @@ async def test_fires_lateness_attempts_and_audit_agree_with_the_rows(
                 NS,
                 "every-1s",
             )
-            assert [(a["verb"], a["outcome"], a["version"]) for a in audit][0] == (
+            assert (audit[0]["verb"], audit[0]["outcome"], audit[0]["version"]) == (
                 "upsert_many",
                 "ok",
                 1,
