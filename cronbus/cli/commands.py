@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from cronbus import client as client_module
-from cronbus.cli.common import CliError, amqp_url, database_url
+from cronbus.cli.common import CliError, amqp_url, broker_error, database_error, database_url
 from cronbus.client import CommandClient
 from shared.contract import codec, models, timefmt
 from shared.runtime import transient
@@ -59,6 +59,23 @@ def _print(reply: dict[str, Any]) -> None:
     print(codec.dumps(reply).decode())
 
 
+def _notes(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """What a person should notice in an accepted upsert: nothing changed, or a warning."""
+    schedule = result.get("schedule") or {}
+    name = result.get("id") or schedule.get("id") or ""
+    version = result.get("version", schedule.get("version"))
+    if result.get("unchanged"):
+        print(
+            f"cronbus {args.command}: {name}: unchanged (still version {version})", file=sys.stderr
+        )
+    for warning in result.get("warnings") or []:
+        print(
+            f"cronbus {args.command}: {name}: warning: {warning.get('field')}: "
+            f"{warning.get('reason')}",
+            file=sys.stderr,
+        )
+
+
 def _error_line(reply: dict[str, Any]) -> str:
     error = reply.get("error") or {}
     details = error.get("details") or []
@@ -79,13 +96,14 @@ async def _send_all(args: argparse.Namespace, verb: str, bodies: list[dict[str, 
                         "running against this RabbitMQ?"
                     ) from None
                 _print(reply)
+                _notes(args, reply)
                 if not reply.get("ok"):
                     failures += 1
                     print(f"cronbus {args.command}: {_error_line(reply)}", file=sys.stderr)
     except client_module.ACCESS_REFUSED as exc:
         raise CliError(_refused_line(args, verb, exc)) from None
     except transient.ERRORS as exc:
-        raise CliError(f"cannot reach RabbitMQ: {exc}") from None
+        raise CliError(broker_error(exc)) from None
     return 1 if failures else 0
 
 
@@ -149,6 +167,7 @@ async def _send_many(args: argparse.Namespace, batches: list[list[dict[str, Any]
                     continue
                 for result in reply["results"]:
                     _print(result)
+                    _notes(args, result)
                     if not result.get("ok"):
                         failures += 1
                         print(
@@ -158,7 +177,7 @@ async def _send_many(args: argparse.Namespace, batches: list[list[dict[str, Any]
     except client_module.ACCESS_REFUSED as exc:
         raise CliError(_refused_line(args, "upsert_many", exc)) from None
     except transient.ERRORS as exc:
-        raise CliError(f"cannot reach RabbitMQ: {exc}") from None
+        raise CliError(broker_error(exc)) from None
     return 1 if failures else 0
 
 
@@ -197,7 +216,7 @@ def run_executions(args: argparse.Namespace) -> int:
         try:
             store = await Store.open(database_url(), min_size=1, max_size=1)
         except transient.ERRORS as exc:
-            raise CliError(f"cannot reach PostgreSQL: {exc}") from None
+            raise CliError(database_error(exc)) from None
         try:
             return await store.recent_executions(args.namespace, args.id, args.limit)
         finally:

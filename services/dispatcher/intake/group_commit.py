@@ -292,7 +292,10 @@ def _item_result(
     if isinstance(outcome, ValidationFailed):
         return {"id": schedule_id, "ok": False, "error": error_of(outcome)}
     schedule = outcome["schedule"]
-    return {"id": schedule["id"], "ok": True, "version": schedule["version"]}
+    result = {"id": schedule["id"], "ok": True, "version": schedule["version"]}
+    # Extensions of a single upsert's reply, passed on per item.
+    result.update({k: outcome[k] for k in ("unchanged", "warnings") if k in outcome})
+    return result
 
 
 def _item_audits(audit: CommandAudit, results: list[dict[str, Any]]) -> list[CommandAudit]:
