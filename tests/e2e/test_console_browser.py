@@ -7,7 +7,6 @@ triggers it and sees the execution appear; the command audit names them.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
-from tests.support import services
+from tests.support import services, tools
 from tests.support.stack import Stack
 
 CHROMIUM = "/usr/bin/chromium"
@@ -46,10 +45,7 @@ PAGE_TIMEOUT_S = 20
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[WebDriver]:
-    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-        pytest.fail(
-            "chromium and chromedriver are needed: apt-get install -y chromium chromium-driver"
-        )
+    tools.require("chromium", "chromedriver")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in HEADLESS_FLAGS:

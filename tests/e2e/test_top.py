@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -17,14 +16,14 @@ import pytest
 
 from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
+from tests.support import tools
 from tests.support.stack import Stack
 
 
 @pytest.fixture
 def tmux() -> Iterator[list[str]]:
     """tmux on a private server socket: the test stops only the server it started."""
-    if shutil.which("tmux") is None:
-        pytest.fail("tmux is needed: apt-get install -y tmux")
+    tools.require("tmux")
     command = ["tmux", "-L", f"cronbus-top-{uuid.uuid4().hex[:8]}"]
     yield command
     subprocess.run([*command, "kill-server"], capture_output=True, check=False)
