@@ -1,14 +1,16 @@
 """The console in a real browser (Debian's chromium, driven by selenium) against the services.
 
 A person opens the console, finds a schedule, pauses it and sees the state change, then
-triggers it and sees the execution appear; the command audit names them.
+triggers it and sees the execution appear without reloading (the page refreshes itself); the
+command audit names them. They filter the failures by namespace, find a retried occurrence and
+its failed first attempt, and delete a schedule.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
@@ -83,6 +85,8 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
     stack: Stack, client: CommandClient, sink: Sink, browser: WebDriver
 ) -> None:
     await stack.start_all()
+    # The "flaky" target fails every first attempt; the retry succeeds.
+    sink.respond = lambda r: 503 if r.path == "/flaky" and r.attempt == 1 else 200
     port = services.free_port()
     console = stack.start("console", CRONBUS_CONSOLE_PORT=str(port), CRONBUS_CONSOLE_ACTIONS="1")
     await stack.wait_ready(console)
@@ -100,6 +104,15 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
             },
         )
         assert reply["ok"], reply
+    flaky = {
+        "id": "flaky",
+        "spec": {"kind": "interval", "every_s": 3600},
+        "target": {"kind": "webhook", "url": f"{sink.url}/flaky"},
+        "retry": {"max_attempts": 3, "initial_backoff_s": 1, "full_jitter": False},
+    }
+    for namespace in ("billing", "other"):
+        assert (await client.send(namespace, "upsert", {"schedule": flaky}))["ok"]
+        assert (await client.send(namespace, "trigger", {"id": "flaky"}))["ok"]
     # The auth proxy's header, as oauth2-proxy would set it in front of the console.
     browser.execute_cdp_cmd("Network.enable", {})
     browser.execute_cdp_cmd(
@@ -139,17 +152,56 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
     )
 
     def execution_shown() -> bool:
-        browser.refresh()
+        # No reload here: the page refreshes itself while it is open.
         try:
             rows = browser.find_elements(By.CSS_SELECTOR, "#executions tbody tr")
             return any("trigger" in row.text and "succeeded" in row.text for row in rows)
-        except StaleElementReferenceException:  # replaced by a reload under way: look again
+        except StaleElementReferenceException:  # replaced by a refresh under way: look again
             return False
 
-    await _eventually(execution_shown, 20, "the triggered execution in the history")
+    await _eventually(execution_shown, 30, "the triggered execution, without a reload")
 
     # The audit names the broker user and the person behind the proxy.
     audit = browser.find_element(By.CSS_SELECTOR, "section[aria-labelledby=audit-h]").text
     assert "cronbus-console:alice" in audit
     assert "pause" in audit
     assert "trigger" in audit
+
+    # Failures, filtered to one namespace: the retried trigger of billing/flaky, not other's.
+    def failures_of(namespace: str) -> list[str]:
+        browser.get(f"{base}/failures")
+        Select(browser.find_element(By.NAME, "namespace")).select_by_visible_text(namespace)
+        _goes_to_next_page(browser, browser.find_element(By.CSS_SELECTOR, "form.filters").submit)
+        return [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#failures tbody th a")]
+
+    async def retried_listed() -> bool:
+        return await asyncio.to_thread(failures_of, "billing") == ["billing/flaky"]
+
+    await _eventually_async(retried_listed, 30, "billing/flaky among billing's failures")
+    row = browser.find_element(By.CSS_SELECTOR, "#failures tbody tr")
+    assert "succeeded" in row.text
+    # Its attempts: the first failed with 503, the second succeeded.
+    row.find_element(By.CSS_SELECTOR, "details.attempts summary").click()
+    attempts = [li.text for li in row.find_elements(By.CSS_SELECTOR, "details.attempts li")]
+    assert len(attempts) == 2, attempts
+    assert "failed" in attempts[0] and "HTTP 503" in attempts[0]
+    assert "succeeded" in attempts[1]
+
+    # Delete: back on the namespace's list, which no longer has it.
+    await asyncio.to_thread(browser.get, f"{base}/ns/billing/s/invoice-reminder")
+    browser.execute_script("window.confirm = () => true;")
+    delete = browser.find_element(By.CSS_SELECTOR, "button[value=delete]")
+    await asyncio.to_thread(_goes_to_next_page, browser, delete.click)
+    assert browser.find_element(By.CSS_SELECTOR, "p.notice").text == "invoice-reminder deleted"
+    listed = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "tbody th a")]
+    assert "invoice-reminder" not in listed and "invoice-archive" in listed
+
+
+async def _eventually_async(
+    check: Callable[[], Awaitable[bool]], timeout_s: float, what: str
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not seen within {timeout_s:g}s: {what}")
+        await asyncio.sleep(1)
