@@ -138,8 +138,10 @@ def _apply_one(
         return version_conflict(item.expected_version, current_version)
     definition = item.schedule.model_dump(mode="json")
     warnings = validation.warnings_of(item.plan, now_ms)
-    if live and old is not None and old.definition == definition:
+    resumes = old is not None and old.state == "paused" and not item.schedule.paused
+    if live and old is not None and old.definition == definition and not resumes:
         # The same definition again (a file applied twice): nothing to change, no new version.
+        # Unless it resumes a schedule paused for it (pause_after_failures): that is a change.
         reply = {"ok": True, "created": False, "unchanged": True, "schedule": view(old, now_ms)}
         return _Applied(old, None, None, _warned(reply, warnings))
     version = (old.version if old is not None else 0) + 1

@@ -25,16 +25,18 @@ def latest(
     return list(latest.values())
 
 
+def _occurrence(r: ExecutionRow) -> Hashable:
+    return (r.namespace, r.id, r.nominal_ms, r.is_trigger, r.is_backfill)
+
+
+def _schedule(c: Checkpoint) -> Hashable:
+    return (c.namespace, c.id)
+
+
 def executions(rows: Sequence[ExecutionRow]) -> list[ExecutionRow]:
     """One row per occurrence, its latest attempt, carrying every failed attempt of the batch
     and the earliest lateness (the first attempt's)."""
-    key: Callable[[ExecutionRow], Hashable] = lambda r: (  # noqa: E731
-        r.namespace,
-        r.id,
-        r.nominal_ms,
-        r.is_trigger,
-        r.is_backfill,
-    )
+    key = _occurrence
     kept = {key(r): r for r in latest(rows, key, lambda r: r.attempts)}
     earlier: dict[Hashable, list[ExecutionRow]] = {}
     for row in rows:
@@ -60,7 +62,7 @@ def executions(rows: Sequence[ExecutionRow]) -> list[ExecutionRow]:
 
 def checkpoints(rows: Sequence[Checkpoint]) -> list[Checkpoint]:
     """One checkpoint per schedule, the latest fire's; uncounted ones add up their fires."""
-    key: Callable[[Checkpoint], Hashable] = lambda c: (c.namespace, c.id)  # noqa: E731
+    key = _schedule
     added: dict[Hashable, int] = {}
     for c in rows:
         if not c.counted:

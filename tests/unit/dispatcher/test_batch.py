@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.dispatcher import batch
 from shared.contract import models, timefmt, validation
 from shared.contract.errors import ValidationFailed
@@ -111,3 +113,12 @@ def test_a_once_in_the_past_is_accepted_with_a_warning() -> None:
     (warning,) = reply["warnings"]
     assert warning["field"] == "spec.at" and "in the past" in warning["reason"]
     assert reply["schedule"]["next_fires"]  # it still fires, now
+
+
+def test_the_same_definition_resumes_a_schedule_paused_without_its_asking() -> None:
+    created = batch.apply_upserts([item("a", 60)], {}, NOW, NOW)
+    row = created.rows[("ns", "a")]
+    paused = batch._stored(dataclasses.replace(row, state="paused"), NOW, NOW)
+    (again,) = batch.apply_upserts([item("a", 60)], {("ns", "a"): paused}, NOW, NOW).results
+    assert isinstance(again, dict) and "unchanged" not in again
+    assert again["schedule"]["state"] == "active" and again["schedule"]["version"] == 2
