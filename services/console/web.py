@@ -340,7 +340,8 @@ class Console:
         raise self._done(request, target, message)
 
     async def retry(self, request: web.Request) -> web.StreamResponse:
-        """A dead occurrence delivered again, with its own key: a backfill of its one time."""
+        """A dead occurrence delivered again: a backfill of its one nominal time, which carries
+        the occurrence's own idempotency key (the target can tell it is the same one)."""
         namespace, schedule_id = self._path_ids(request)
         assert schedule_id is not None
         form = await self._form(request)
@@ -348,6 +349,8 @@ class Console:
             start = dt.datetime.fromisoformat(form.get("nominal", "").replace("Z", "+00:00"))
         except ValueError:
             raise views.BadQuery("nominal", "is not an RFC 3339 time") from None
+        if start.tzinfo is None:
+            raise views.BadQuery("nominal", "needs a time zone (Z)")
         end = start + dt.timedelta(milliseconds=1)
         body = {"id": schedule_id, "from": _rfc3339(start), "to": _rfc3339(end), "limit": 1}
         (message,) = await self._send(request, namespace, [("backfill", body)])
@@ -356,13 +359,10 @@ class Console:
 
     async def bulk(self, request: web.Request) -> web.StreamResponse:
         namespace, _ = self._path_ids(request)
-        if not self.actions:
-            raise web.HTTPNotFound()
-        data = await request.post()
-        form = {k: str(v) for k, v in data.items()}
-        self._check_csrf(request, form)
+        form = await self._form(request)
         verb = form.get("verb", "")
-        ids = [str(v) for v in data.getall("id", [])]
+        # Ticked boxes share the name "id" (post() is read once and kept by aiohttp).
+        ids = [str(v) for v in (await request.post()).getall("id", [])]
         if verb not in BULK_VERBS or not ids or len(ids) > self.model.page_size:
             raise views.BadQuery("id", "tick one schedule or more, and an action")
         if not all(models.SCHEDULE_ID_RE.match(i) for i in ids):

@@ -24,6 +24,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from cronbus.cli.sink import Sink
 from cronbus.client import CommandClient
+from shared.contract import timefmt
 from tests.support import services, tools
 from tests.support.stack import Stack
 
@@ -86,7 +87,13 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
 ) -> None:
     await stack.start_all()
     # The "flaky" target fails every first attempt; the retry succeeds.
-    sink.respond = lambda r: 503 if r.path == "/flaky" and r.attempt == 1 else 200
+    # "broken" fails until it is retried (a backfilled delivery says so in a header).
+    sink.respond = lambda r: (
+        503
+        if (r.path == "/flaky" and r.attempt == 1)
+        or (r.path == "/broken" and "x-cronbus-backfill" not in r.headers)
+        else 200
+    )
     port = services.free_port()
     console = stack.start("console", CRONBUS_CONSOLE_PORT=str(port), CRONBUS_CONSOLE_ACTIONS="1")
     await stack.wait_ready(console)
@@ -113,6 +120,17 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
     for namespace in ("billing", "other"):
         assert (await client.send(namespace, "upsert", {"schedule": flaky}))["ok"]
         assert (await client.send(namespace, "trigger", {"id": "flaky"}))["ok"]
+    broken = {
+        "id": "broken",
+        "spec": {
+            "kind": "interval",
+            "every_s": 3600,
+            "start_at": timefmt.format_ms(int(time.time() * 1000) + 1000),
+        },
+        "target": {"kind": "webhook", "url": f"{sink.url}/broken"},
+        "retry": {"max_attempts": 1},
+    }
+    assert (await client.send("billing", "upsert", {"schedule": broken}))["ok"]
     # The auth proxy's header, as oauth2-proxy would set it in front of the console.
     browser.execute_cdp_cmd("Network.enable", {})
     browser.execute_cdp_cmd(
@@ -175,10 +193,15 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
         return [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#failures tbody th a")]
 
     async def retried_listed() -> bool:
-        return await asyncio.to_thread(failures_of, "billing") == ["billing/flaky"]
+        listed = await asyncio.to_thread(failures_of, "billing")
+        return "billing/flaky" in listed and all(n.startswith("billing/") for n in listed)
 
-    await _eventually_async(retried_listed, 30, "billing/flaky among billing's failures")
-    row = browser.find_element(By.CSS_SELECTOR, "#failures tbody tr")
+    await _eventually_async(retried_listed, 30, "billing/flaky among billing's failures only")
+    (row,) = [
+        r
+        for r in browser.find_elements(By.CSS_SELECTOR, "#failures tbody tr")
+        if "billing/flaky" in r.text
+    ]
     assert "succeeded" in row.text
     # Its attempts: the first failed with 503, the second succeeded.
     row.find_element(By.CSS_SELECTOR, "details.attempts summary").click()
@@ -195,6 +218,42 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
     assert browser.find_element(By.CSS_SELECTOR, "p.notice").text == "invoice-reminder deleted"
     listed = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "tbody th a")]
     assert "invoice-reminder" not in listed and "invoice-archive" in listed
+
+    # Retry a dead occurrence: delivered again with the same key, marked as a backfill.
+    await asyncio.to_thread(browser.get, f"{base}/ns/billing/s/broken")
+
+    def dead_shown() -> bool:
+        try:
+            return bool(browser.find_elements(By.CSS_SELECTOR, "#executions button.small"))
+        except StaleElementReferenceException:
+            return False
+
+    await _eventually(dead_shown, 30, "the dead occurrence of billing/broken with a Retry")
+    browser.execute_script("window.confirm = () => true;")
+    retry = browser.find_element(By.CSS_SELECTOR, "#executions button.small")
+    await asyncio.to_thread(_goes_to_next_page, browser, retry.click)
+    assert browser.find_element(By.CSS_SELECTOR, "p.notice").text.endswith(": done")
+    assert await sink.wait_for(
+        lambda s: [r.status for r in s.received if r.path == "/broken"] == [503, 200], 20
+    )
+    first, again = [r for r in sink.received if r.path == "/broken"]
+    assert first.key == again.key
+
+    # Pause two schedules at once from the list.
+    await asyncio.to_thread(browser.get, f"{base}/ns/billing")
+    for schedule_id in ("invoice-archive", "nightly-report"):
+        browser.find_element(By.CSS_SELECTOR, f"input[name=id][value={schedule_id}]").click()
+    browser.execute_script("window.confirm = () => true;")
+    bulk_pause = browser.find_element(By.CSS_SELECTOR, "#bulk button[value=pause]")
+    await asyncio.to_thread(_goes_to_next_page, browser, bulk_pause.click)
+    assert browser.find_element(By.CSS_SELECTOR, "p.notice").text == "pause: 2 of 2 done"
+    states = {
+        row.find_element(By.CSS_SELECTOR, "th a").text: row.find_element(
+            By.CSS_SELECTOR, ".state"
+        ).text
+        for row in browser.find_elements(By.CSS_SELECTOR, "tbody tr")
+    }
+    assert states["invoice-archive"] == states["nightly-report"] == "paused"
 
 
 async def _eventually_async(
