@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cronbus.cli import procs
+from cronbus.cli import procs, top
 from cronbus.cli.common import CliError
 from cronbus.cli.procs import SERVICES, ServiceProcess
 from cronbus.cli.sink import Received, Sink
@@ -140,16 +140,10 @@ def _quantile(samples: dict[str, float], q: float) -> float | None:
 
 
 def _bound_text(bound: float, samples: dict[str, float]) -> str:
-    """``≤50ms``; above the highest finite bucket, ``>60s`` (not ``≤infms``)."""
-    if bound != math.inf:
-        return f"≤{_ms_text(bound)}"
+    """``≤ 50 ms``; above the highest finite bucket ``> 60,000 ms`` (not ``≤infms``)."""
     prefix = "cronbus_fire_lateness_seconds_bucket,le="
     finite = [float(k[len(prefix) :]) for k in samples if k.startswith(prefix)]
-    return f">{_ms_text(max((b for b in finite if b != math.inf), default=0.0))}"
-
-
-def _ms_text(seconds: float) -> str:
-    return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:g}s"
+    return top.bound_text(bound, max((b for b in finite if b != math.inf), default=None))
 
 
 def status_line(children: list[ServiceProcess]) -> tuple[str, str]:

@@ -207,7 +207,9 @@ def _number(value: float | None, unit: str = "", digits: int = 1) -> str:
     return "—" if value is None else f"{value:,.{digits}f}{unit}"
 
 
-def _ms(value: float | None, cap: float | None = None) -> str:
+def bound_text(value: float | None, cap: float | None = None) -> str:
+    """A histogram quantile's bucket bound (seconds) as ``≤ 50 ms``; above the highest finite
+    bound ``cap``, ``> 60,000 ms`` (never ``≤ +Inf``)."""
     if value is None:
         return "—"
     if math.isinf(value):
@@ -239,8 +241,8 @@ def render(view: View, sources: Sequence[str], interval_s: float) -> Group:
         _number(view.fires_per_s),
         _number(view.delivered_per_s),
         _number(view.failures_per_s),
-        _ms(view.lateness_p50_s, view.lateness_cap_s),
-        _ms(view.lateness_p99_s, view.lateness_cap_s),
+        bound_text(view.lateness_p50_s, view.lateness_cap_s),
+        bound_text(view.lateness_p99_s, view.lateness_cap_s),
     )
     now = _table("Now", "in flight", "queue ready", "failures", "dead", "dead letters")
     now.add_row(

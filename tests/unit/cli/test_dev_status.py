@@ -15,8 +15,8 @@ def test_lateness_beyond_the_last_bucket_reads_as_more_than_it() -> None:
     samples = {f"{BUCKET}0.05": 90.0, f"{BUCKET}60.0": 98.0, f"{BUCKET}inf": 100.0}
     p50, p99 = dev._quantile(samples, 0.5), dev._quantile(samples, 0.99)
     assert p50 is not None and p99 is not None
-    assert dev._bound_text(p50, samples) == "≤50ms"
-    assert dev._bound_text(p99, samples) == ">60s"
+    assert dev._bound_text(p50, samples) == "≤ 50 ms"
+    assert dev._bound_text(p99, samples) == "> 60,000 ms"
 
 
 def test_off_a_terminal_the_status_speaks_on_a_change_or_every_half_minute(
