@@ -40,7 +40,7 @@ from aio_pika.abc import (
 )
 
 from shared.contract import codec, keys, models, timefmt, validation
-from shared.contract.errors import CommandRefused, CronbusError, ValidationFailed
+from shared.contract.errors import CommandRefused, CronbusError, FieldError, ValidationFailed
 from shared.contract.replies import StoredSchedule, Triggered
 from shared.runtime.config import CommonSettings
 
@@ -89,12 +89,21 @@ class ItemResult:
     ok: bool
     version: int | None = None
     error: CommandRefused | None = None
+    #: The definition sent was the stored one: nothing changed, the version stays.
+    unchanged: bool = False
+    #: What to notice, though the schedule was applied (each with ``field`` and ``reason``).
+    warnings: tuple[FieldError, ...] = ()
 
     def as_reply(self) -> dict[str, Any]:
         """The result as the reply carries it."""
         if self.error is not None:
             return {"id": self.id, "ok": False, "error": self.error.reply["error"]}
-        return {"id": self.id, "ok": True, "version": self.version}
+        reply: dict[str, Any] = {"id": self.id, "ok": True, "version": self.version}
+        if self.unchanged:
+            reply["unchanged"] = True
+        if self.warnings:
+            reply["warnings"] = [{"field": w.field, "reason": w.reason} for w in self.warnings]
+        return reply
 
 
 @dataclass(frozen=True)
@@ -381,7 +390,13 @@ class Client:
         if expected_version is not None:
             body["expected_version"] = expected_version
         reply = await self._command(namespace, "upsert", body)
-        return StoredSchedule.model_validate(reply["schedule"])
+        return StoredSchedule.model_validate(
+            {
+                **reply["schedule"],
+                "unchanged": reply.get("unchanged", False),
+                "warnings": reply.get("warnings", []),
+            }
+        )
 
     async def upsert_many(
         self, namespace: str, schedules: Iterable[ScheduleInput]
@@ -420,6 +435,11 @@ class Client:
                     bool(result.get("ok")),
                     result.get("version"),
                     None if error is None else CommandRefused.of(error),
+                    bool(result.get("unchanged")),
+                    tuple(
+                        FieldError(str(w.get("field")), str(w.get("reason")))
+                        for w in result.get("warnings") or []
+                    ),
                 )
         return [result for result in results if result is not None]
 
@@ -538,45 +558,3 @@ class Client:
             body["limit"] = limit
         reply = await self._command(namespace, "backfill", body)
         return int(reply["backfill"]["occurrences"])
-
-
-class CommandClient(Client):
-    """For tests: a plain connection that fails rather than heals, replies on a server-named
-    queue, and ``publish`` to send a command without waiting (or as raw bytes)."""
-
-    def __init__(self, url: str, *, app_id: str = "cronbus-cli") -> None:
-        super().__init__(url, app_id=app_id)
-
-    async def _open(self) -> AbstractConnection:
-        return await aio_pika.connect(self.url, timeout=10)
-
-    async def _reply_queue(self, channel: AbstractChannel) -> AbstractQueue:
-        return await channel.declare_queue(exclusive=True, auto_delete=True)
-
-    async def publish(
-        self,
-        namespace: str,
-        verb: str,
-        body: bytes | dict[str, Any],
-        *,
-        reply: bool = False,
-        message_id: str | None = None,
-        content_type: str = "application/json",
-    ) -> str:
-        """Publish one command; returns its correlation id."""
-        correlation_id = uuid.uuid4().hex
-        assert self._exchange is not None, "not connected"
-        await self._exchange.publish(
-            aio_pika.Message(
-                body if isinstance(body, bytes) else codec.dumps(body),
-                content_type=content_type,
-                correlation_id=correlation_id,
-                reply_to=self._reply_to() if reply else None,
-                message_id=message_id or uuid.uuid4().hex,
-                app_id=self.app_id,
-                user_id=self.user_id,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key=keys.command_routing_key(namespace, verb),
-        )
-        return correlation_id

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from cronbus.cli import output
-from cronbus.cli.common import CliError, amqp_url, database_url
+from cronbus.cli.common import CliError, amqp_url, broker_error, database_error, database_url
 from cronbus.client import AccessRefused, Client, NoReply, user_of
 from shared.contract import timefmt
 from shared.contract.errors import CommandRefused
@@ -58,6 +58,23 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _notes(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """What a person should notice in an accepted upsert: nothing changed, or a warning."""
+    schedule = result.get("schedule") or {}
+    name = result.get("id") or schedule.get("id") or ""
+    version = result.get("version", schedule.get("version"))
+    if result.get("unchanged"):
+        print(
+            f"cronbus {args.command}: {name}: unchanged (still version {version})", file=sys.stderr
+        )
+    for warning in result.get("warnings") or []:
+        print(
+            f"cronbus {args.command}: {name}: warning: {warning.get('field')}: "
+            f"{warning.get('reason')}",
+            file=sys.stderr,
+        )
+
+
 def _error_line(reply: dict[str, Any]) -> str:
     error = reply.get("error") or {}
     details = error.get("details") or []
@@ -82,7 +99,7 @@ async def _connected(args: argparse.Namespace, verb: str) -> AsyncIterator[Clien
             f"to namespace {args.namespace!r} ({exc})"
         ) from None
     except transient.ERRORS as exc:
-        raise CliError(f"cannot reach RabbitMQ: {exc}") from None
+        raise CliError(broker_error(exc)) from None
 
 
 def _show(args: argparse.Namespace, reply: dict[str, Any]) -> None:
@@ -113,6 +130,7 @@ async def _send_all(args: argparse.Namespace, verb: str, bodies: list[dict[str, 
         for body in bodies:
             reply = await client.send(args.namespace, verb, body)
             _show(args, reply)
+            _notes(args, reply)
             if not reply.get("ok"):
                 failures += 1
                 print(f"cronbus {args.command}: {_error_line(reply)}", file=sys.stderr)
@@ -139,6 +157,7 @@ async def _apply_many(args: argparse.Namespace, schedules: list[dict[str, Any]])
     for result in results:
         shown = result.as_reply()
         output.print_json(shown)
+        _notes(args, shown)
         if not result.ok:
             failures += 1
             print(f"cronbus {args.command}: {result.id}: {_error_line(shown)}", file=sys.stderr)
@@ -182,7 +201,7 @@ def run_executions(args: argparse.Namespace) -> int:
         try:
             store = await Store.open(database_url(), min_size=1, max_size=1)
         except transient.ERRORS as exc:
-            raise CliError(f"cannot reach PostgreSQL: {exc}") from None
+            raise CliError(database_error(exc)) from None
         try:
             rows = await store.recent_executions(args.namespace, args.id, args.limit)
             if not rows and fmt in ("table", "wide"):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+from urllib.parse import urlsplit
+
+from shared.runtime import transient
 from shared.runtime.config import CommonSettings
 
 
@@ -19,3 +23,35 @@ def amqp_url() -> str:
 
 def database_url() -> str:
     return settings().database_url
+
+
+def _where(url: str) -> str:
+    """host:port of a URL, without its credentials (the message may be pasted anywhere)."""
+    parts = urlsplit(url)
+    return f"{parts.hostname or '?'}:{parts.port or ''}".rstrip(":")
+
+
+def unreachable(service: str, setting: str, url: str, exc: BaseException) -> str:
+    """Why a dependency cannot be used, and the setting that fixes it."""
+    refused = transient.refusal(exc)
+    if refused is not None:
+        return f"{refused}; check the user and password in {setting}"
+    return (
+        f"cannot reach {service} at {_where(url)} ({exc}): is it running? "
+        f"{setting} says where it is"
+    )
+
+
+def broker_error(exc: BaseException) -> str:
+    return unreachable("RabbitMQ", "CRONBUS_AMQP_URL", amqp_url(), exc)
+
+
+def database_error(exc: BaseException) -> str:
+    return unreachable("PostgreSQL", "CRONBUS_DATABASE_URL", database_url(), exc)
+
+
+def quiet_drivers() -> None:
+    """The command prints one line per problem: the AMQP library's own connection errors
+    (logged before it raises what this command reports) would be a stray second one."""
+    for name in ("aiormq", "aio_pika"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)

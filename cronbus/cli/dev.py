@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cronbus.cli import output, procs
+from cronbus.cli import output, procs, top
 from cronbus.cli.common import CliError
 from cronbus.cli.procs import SERVICES, ServiceProcess
 from cronbus.cli.sink import Received, Sink
@@ -76,24 +77,43 @@ def _flaky(request: Received) -> int:
     return 503 if request.path == "/flaky" and request.attempt == 1 else 200
 
 
-_status_shown = False
+class StatusLine:
+    """The status line: rewritten in place on a terminal; elsewhere (a file, a pipe) printed
+    when a service changes state and otherwise at most every ``quiet_s``, so that it does not
+    drown the deliveries."""
+
+    def __init__(self, tty: bool, quiet_s: float = 30.0, clock: Any = time.monotonic) -> None:
+        self.tty = tty
+        self.quiet_s = quiet_s
+        self.clock = clock
+        self.shown = False
+        self._last_at: float | None = None
+        self._last_states = ""
+
+    def show(self, line: str, states: str) -> None:
+        if self.tty:
+            sys.stdout.write("\r\033[K" + line)
+            sys.stdout.flush()
+            self.shown = True
+            return
+        now = self.clock()
+        quiet = self._last_at is not None and now - self._last_at < self.quiet_s
+        if quiet and states == self._last_states:
+            return
+        self._last_at, self._last_states = now, states
+        print(line, flush=True)
+
+    def clear(self) -> None:
+        if self.shown and self.tty:
+            sys.stdout.write("\r\033[K")
+        self.shown = False
+
+
+STATUS = StatusLine(sys.stdout.isatty())
 
 
 def _clear_status() -> None:
-    global _status_shown  # noqa: PLW0603 - one terminal, one status line
-    if _status_shown and sys.stdout.isatty():
-        sys.stdout.write("\r\033[K")
-    _status_shown = False
-
-
-def _show_status(line: str) -> None:
-    global _status_shown  # noqa: PLW0603
-    if sys.stdout.isatty():
-        sys.stdout.write("\r\033[K" + line)
-        sys.stdout.flush()
-        _status_shown = True
-    else:
-        print(line, flush=True)
+    STATUS.clear()
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -106,6 +126,7 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def _quantile(samples: dict[str, float], q: float) -> float | None:
+    """The histogram's bucket bound that holds quantile ``q`` (inf: above every bound)."""
     prefix = "cronbus_fire_lateness_seconds_bucket,le="
     buckets = sorted(
         (float(k[len(prefix) :]), v) for k, v in samples.items() if k.startswith(prefix)
@@ -119,7 +140,15 @@ def _quantile(samples: dict[str, float], q: float) -> float | None:
     return None
 
 
-def status_line(children: list[ServiceProcess]) -> str:
+def _bound_text(bound: float, samples: dict[str, float]) -> str:
+    """``≤ 50 ms``; above the highest finite bucket ``> 60,000 ms`` (not ``≤infms``)."""
+    prefix = "cronbus_fire_lateness_seconds_bucket,le="
+    finite = [float(k[len(prefix) :]) for k in samples if k.startswith(prefix)]
+    return top.bound_text(bound, max((b for b in finite if b != math.inf), default=None))
+
+
+def status_line(children: list[ServiceProcess]) -> tuple[str, str]:
+    """The line, and the services' states alone (what makes a quiet status line speak)."""
     parts = []
     executor_metrics: dict[str, float] = {}
     dispatcher_metrics: dict[str, float] = {}
@@ -148,13 +177,26 @@ def status_line(children: list[ServiceProcess]) -> str:
     late = (
         ""
         if p50 is None or p99 is None
-        else (f" | lateness p50 ≤{p50 * 1000:.0f}ms p99 ≤{p99 * 1000:.0f}ms")
+        else (
+            f" | lateness p50 {_bound_text(p50, executor_metrics)} "
+            f"p99 {_bound_text(p99, executor_metrics)}"
+        )
     )
-    return (
+    line = (
         f"{time.strftime('%H:%M:%S')} "
         + " | ".join(parts)
         + f" | delivered ok {ok:.0f} failed {failed:.0f}{late} | due backlog {backlog:.0f}"
     )
+    return line, " | ".join(parts)
+
+
+def fresh_log(name: str) -> Path:
+    """This run's log of a service; the previous run's is kept beside it as ``.previous.log``
+    and older ones go, so the folder does not grow from run to run."""
+    log = LOG_DIR / f"{name}.log"
+    if log.exists():
+        log.replace(LOG_DIR / f"{name}.previous.log")
+    return log
 
 
 def _start(name: str, port: int, env: dict[str, str]) -> ServiceProcess:
@@ -162,7 +204,7 @@ def _start(name: str, port: int, env: dict[str, str]) -> ServiceProcess:
         name,
         {**env, "CRONBUS_LOG_FORMAT": "text", "CRONBUS_MIGRATE_ON_START": "false"},
         port,
-        LOG_DIR / f"{name}.log",
+        fresh_log(name),
     )
 
 
@@ -200,7 +242,12 @@ async def _dev(args: argparse.Namespace) -> int:
     # Local sinks listen on loopback: allowed unless the developer chose otherwise.
     env = {"CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS, **os.environ}
     children = [_start(name, args.port_base + i, env) for i, name in enumerate(SERVICES)]
-    console_env = {**env, "CRONBUS_CONSOLE_PORT": str(args.console_port)}
+    # Locally the console is for trying things: its actions are on unless said otherwise.
+    console_env = {
+        "CRONBUS_CONSOLE_ACTIONS": "1",
+        **env,
+        "CRONBUS_CONSOLE_PORT": str(args.console_port),
+    }
     children.append(_start("console", args.port_base + len(SERVICES), console_env))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -213,7 +260,7 @@ async def _dev(args: argparse.Namespace) -> int:
         if sink is not None:
             await _register_demo(settings, sink)
         while not stop.is_set():
-            _show_status(await asyncio.to_thread(status_line, children))
+            STATUS.show(*await asyncio.to_thread(status_line, children))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.status_every)
     finally:

@@ -17,7 +17,7 @@ from typing import TypeAlias
 from cronbus.bench import command as bench_command
 from cronbus.cli import commands, completion, dev, importer, output, procs, top
 from cronbus.cli import preview as preview_cmd
-from cronbus.cli.common import CliError
+from cronbus.cli.common import CliError, quiet_drivers, unreachable
 from shared.runtime.config import DispatcherSettings, ExecutorSettings, SweeperSettings
 
 Handler = Callable[[argparse.Namespace], int]
@@ -168,7 +168,9 @@ def _migrate(args: argparse.Namespace) -> int:
             db.migrate(settings.database_url, partitions_ahead_days=settings.partitions_ahead_days)
         )
     except transient.ERRORS as exc:
-        raise CliError(f"cannot reach PostgreSQL: {exc}") from None
+        raise CliError(
+            unreachable("PostgreSQL", "CRONBUS_DATABASE_URL", settings.database_url, exc)
+        ) from None
     print("applied: " + ", ".join(applied) if applied else "up to date")
     return 0
 
@@ -230,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Handler = args.handler
+    quiet_drivers()
     try:
         return handler(args)
     except CliError as exc:

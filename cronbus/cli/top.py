@@ -16,8 +16,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -26,6 +28,13 @@ from rich.text import Text
 #: The local services' metrics ports (dispatcher, executor, sweeper, console), as `cronbus dev`.
 DEFAULT_PORTS = (9101, 9102, 9103)
 FAILED_OUTCOMES = ("failed", "dead")
+#: The namespace outcomes ``top`` shows, in its columns' order.
+OUTCOMES = ("succeeded", "failed", "dead")
+#: Namespaces shown (the busiest); the rest are counted in one line. With the shard grid this
+#: keeps the whole screen within 80x24.
+NAMESPACE_ROWS = 5
+#: Shards per line of the backlog grid.
+SHARDS_PER_LINE = 6
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -94,6 +103,11 @@ class View:
     dead_lettered_total: float
     reached: int
     missed: tuple[str, ...]
+    #: Per namespace, busiest first: (namespace, succeeded/s, failed attempts/s, dead/s); the
+    #: rates are None on the first scrape.
+    namespaces: tuple[tuple[str, float | None, float | None, float | None], ...] = ()
+    #: The lateness histogram's highest finite bound (what "above every bucket" exceeds).
+    lateness_cap_s: float | None = None
 
 
 def histogram_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float | None:
@@ -121,6 +135,31 @@ def _rate(now: Sample, before: Sample | None, name: str, **match: str) -> float 
     return max(now.total(name, **match) - before.total(name, **match), 0.0) / (
         now.at_s - before.at_s
     )
+
+
+def _per_namespace(
+    now: Sample, before: Sample | None
+) -> tuple[tuple[str, float | None, float | None, float | None], ...]:
+    name = "cronbus_namespace_outcomes_total"
+    found: dict[str, dict[str, float]] = {}
+    for (series, labels), values in now.series.items():
+        if series == name:
+            tags = dict(labels)
+            namespace, outcome = tags.get("namespace", "?"), tags.get("outcome", "?")
+            found.setdefault(namespace, {})[outcome] = sum(values)
+    rows: list[tuple[str, float | None, float | None, float | None]] = []
+    for namespace in found:
+        ok, failed, dead = (
+            _rate(now, before, name, namespace=namespace, outcome=o) for o in OUTCOMES
+        )
+        rows.append((namespace, ok, failed, dead))
+
+    def busiest(row: tuple[str, float | None, float | None, float | None]) -> tuple[Any, ...]:
+        # By rate, else by the counts so far, then by name.
+        namespace, *rates = row
+        return (-sum(v or 0.0 for v in rates), -sum(found[namespace].values()), namespace)
+
+    return tuple(sorted(rows, key=busiest))
 
 
 def _failures(sample: Sample) -> float:
@@ -156,6 +195,8 @@ def summarize(now: Sample, before: Sample | None) -> View:
         dead_lettered_total=now.total("cronbus_dead_lettered_total"),
         reached=now.reached,
         missed=tuple(now.missed),
+        namespaces=_per_namespace(now, before),
+        lateness_cap_s=max((b for b, _ in lateness if not math.isinf(b)), default=None),
     )
 
 
@@ -166,13 +207,27 @@ def _number(value: float | None, unit: str = "", digits: int = 1) -> str:
     return "—" if value is None else f"{value:,.{digits}f}{unit}"
 
 
-def _ms(value: float | None) -> str:
+def bound_text(value: float | None, cap: float | None = None) -> str:
+    """A histogram quantile's bucket bound (seconds) as ``≤ 50 ms``; above the highest finite
+    bound ``cap``, ``> 60,000 ms`` (never ``≤ +Inf``)."""
     if value is None:
         return "—"
-    return "≤ +Inf" if math.isinf(value) else f"≤ {value * 1000:,.0f} ms"
+    if math.isinf(value):
+        return "—" if cap is None else f"> {cap * 1000:,.0f} ms"
+    return f"≤ {value * 1000:,.0f} ms"
+
+
+def _table(title: str, *columns: str) -> Table:
+    table = Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False
+    )
+    for column in columns:
+        table.add_column(column, justify="right")
+    return table
 
 
 def render(view: View, sources: Sequence[str], interval_s: float) -> Group:
+    """The screen: it fits 80x24 whatever the number of shards and namespaces."""
     head = Text.assemble(
         ("cronbus top", "bold"),
         f"  {time.strftime('%H:%M:%S')}  every {interval_s:g}s  ",
@@ -181,19 +236,15 @@ def render(view: View, sources: Sequence[str], interval_s: float) -> Group:
             "green" if not view.missed else "red",
         ),
     )
-    rates = Table(title="Rates (last interval)", title_justify="left", expand=False)
-    for column in ("fires/s", "delivered/s", "failures/s", "lateness p50", "lateness p99"):
-        rates.add_column(column, justify="right")
+    rates = _table("Last interval", "fires/s", "delivered/s", "failures/s", "late p50", "late p99")
     rates.add_row(
         _number(view.fires_per_s),
         _number(view.delivered_per_s),
         _number(view.failures_per_s),
-        _ms(view.lateness_p50_s),
-        _ms(view.lateness_p99_s),
+        bound_text(view.lateness_p50_s, view.lateness_cap_s),
+        bound_text(view.lateness_p99_s, view.lateness_cap_s),
     )
-    now = Table(title="Now", title_justify="left")
-    for column in ("in flight", "queue ready", "failures", "dead", "dead letters"):
-        now.add_column(column, justify="right")
+    now = _table("Now", "in flight", "queue ready", "failures", "dead", "dead letters")
     now.add_row(
         _number(view.in_flight, digits=0),
         _number(view.deliveries_ready, digits=0),
@@ -201,17 +252,31 @@ def render(view: View, sources: Sequence[str], interval_s: float) -> Group:
         _number(view.dead_total, digits=0),
         _number(view.dead_lettered_total, digits=0),
     )
-    backlog = Table(title="Due backlog per shard", title_justify="left")
-    backlog.add_column("shard", justify="right")
-    backlog.add_column("due now or earlier", justify="right")
-    for shard, value in view.backlog.items():
-        backlog.add_row(str(shard), _number(value, digits=0))
-    if not view.backlog:
-        backlog.add_row("—", "no dispatcher reports")
-    parts: list[Text | Table] = [head, rates, now, backlog]
+    namespaces = _table("Namespaces, busiest first", "namespace", "ok/s", "failed/s", "dead/s")
+    namespaces.columns[0].justify = "left"
+    for namespace, ok, failed, dead in view.namespaces[:NAMESPACE_ROWS]:
+        namespaces.add_row(namespace[:30], _number(ok), _number(failed), _number(dead))
+    if len(view.namespaces) > NAMESPACE_ROWS:
+        namespaces.add_row(f"… {len(view.namespaces) - NAMESPACE_ROWS} more", "", "", "")
+    if not view.namespaces:
+        namespaces.add_row("— no executor reports", "", "", "")
+    parts: list[Text | Table] = [head, rates, now, namespaces, _backlog(view.backlog)]
     if view.missed:
         parts.append(Text("not answering: " + ", ".join(view.missed), style="red"))
     return Group(*parts)
+
+
+def _backlog(backlog: dict[int, float]) -> Text:
+    """Due backlog per shard as a grid, SHARDS_PER_LINE to a line (a table would take a line
+    per shard: 16 shards alone would fill the screen)."""
+    text = Text("Due backlog per shard (due now or earlier)\n", style="italic")
+    if not backlog:
+        return text.append("  no dispatcher reports")
+    cells = [f"{shard:>3}:{value:>7,.0f}" for shard, value in backlog.items()]
+    lines = [
+        "  ".join(cells[i : i + SHARDS_PER_LINE]) for i in range(0, len(cells), SHARDS_PER_LINE)
+    ]
+    return text.append("\n".join(lines))
 
 
 # --- I/O ----------------------------------------------------------------------------------------

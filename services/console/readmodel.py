@@ -28,11 +28,26 @@ FAILED_STATUSES = ("retrying", "dead")
 STATES = ("active", "paused", "completed")
 
 
+#: The recent minutes the home page's rates are taken over.
+RATE_MINUTES = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """A namespace's deliveries: per minute over the last RATE_MINUTES, and the last hour's."""
+
+    fires_per_min: float = 0.0
+    failed_per_min: float = 0.0
+    hour_fires: int = 0
+    hour_failed: int = 0
+    hour_dead: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class NamespaceSummary:
     namespace: str
     counts: dict[str, int]
-    failures_last_hour: int
+    rates: Rates = field(default_factory=Rates)
 
     @property
     def total(self) -> int:
@@ -54,6 +69,24 @@ class Execution:
     started_at: dt.datetime | None = None
     #: A backfilled delivery (its own row beside the regular occurrence's).
     is_backfill: bool = False
+    #: Each failed attempt, oldest first (``executions.failed_attempts``), one per attempt.
+    failed_attempts: tuple[views.Attempt, ...] = ()
+
+    @property
+    def tries(self) -> list[views.Attempt]:
+        """Every attempt known, oldest first: the failed ones, and the last if it succeeded."""
+        found = list(self.failed_attempts)
+        if self.status == "succeeded" and self.started_at is not None:
+            found.append(
+                views.Attempt(
+                    self.attempts,
+                    self.http_status,
+                    None,
+                    round(self.started_at.timestamp() * 1000),
+                    round(self.finished_at.timestamp() * 1000),
+                )
+            )
+        return found
 
     @property
     def latency_ms(self) -> int | None:
@@ -175,6 +208,9 @@ def _execution(namespace: str, schedule_id: str, record: asyncpg.Record) -> Exec
         finished_at=record["finished_at"],
         lateness_ms=record["lateness_ms"],
         started_at=record["started_at"] if "started_at" in record.keys() else None,  # noqa: SIM118
+        failed_attempts=views.attempts_of(
+            record["failed_attempts"] if "failed_attempts" in record.keys() else None  # noqa: SIM118
+        ),
     )
 
 
@@ -224,14 +260,21 @@ class ReadModel:
         counts: dict[str, dict[str, int]] = {}
         for row in await self.pool.fetch(QUERIES["console_namespaces"]):
             counts.setdefault(row["namespace"], {})[row["state"]] = row["schedules"]
-        failures = {
-            row["namespace"]: row["failures"]
+        recent = now - dt.timedelta(minutes=RATE_MINUTES)
+        rates = {
+            row["namespace"]: Rates(
+                (row["recent_fires"] or 0) / RATE_MINUTES,
+                (row["recent_failed"] or 0) / RATE_MINUTES,
+                row["hour_fires"] or 0,
+                row["hour_failed"] or 0,
+                row["hour_dead"] or 0,
+            )
             for row in await self.pool.fetch(
-                QUERIES["console_failures_since"], now - dt.timedelta(hours=1)
+                QUERIES["console_rates"], now - dt.timedelta(hours=1), recent
             )
         }
-        names = sorted(set(counts) | set(failures))
-        return [NamespaceSummary(n, counts.get(n, {}), failures.get(n, 0)) for n in names]
+        names = sorted(set(counts) | set(rates))
+        return [NamespaceSummary(n, counts.get(n, {}), rates.get(n, Rates())) for n in names]
 
     async def schedules(self, namespace: str, where: ScheduleFilter) -> list[ScheduleSummary]:
         low, high = views.prefix_bounds(where.search)
@@ -261,8 +304,10 @@ class ReadModel:
         )
         return [_execution(namespace, schedule_id, r) for r in rows]
 
-    async def failures(self, before: dt.datetime) -> list[Execution]:
-        rows = await self.pool.fetch(QUERIES["console_failures"], before, self.page_size + 1)
+    async def failures(self, before: dt.datetime, namespace: str = "") -> list[Execution]:
+        rows = await self.pool.fetch(
+            QUERIES["console_failures"], before, self.page_size + 1, namespace
+        )
         return [_execution(r["namespace"], r["id"], r) for r in rows]
 
     async def commands(self, namespace: str, schedule_id: str, limit: int) -> list[CommandRecord]:

@@ -81,6 +81,56 @@ def attempt_of(occ: bytes | str | None) -> int | None:
     return int(parts[1])
 
 
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One delivery attempt of an execution, as the console lists it."""
+
+    attempt: int
+    http_status: int | None
+    error: str | None
+    started_ms: int
+    finished_ms: int
+
+    @property
+    def took_ms(self) -> int:
+        return self.finished_ms - self.started_ms
+
+    @property
+    def started(self) -> str:
+        return utc_text(dt.datetime.fromtimestamp(self.started_ms / 1000, dt.UTC))
+
+
+def attempts_of(log: object) -> tuple[Attempt, ...]:
+    """``executions.failed_attempts`` -> one Attempt per attempt number, oldest first (a
+    redelivered attempt is logged twice; anything malformed is left out)."""
+    found: dict[int, Attempt] = {}
+    for entry in log if isinstance(log, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        try:
+            number = int(entry["attempt"])
+            status = entry.get("http_status")
+            found[number] = Attempt(
+                number,
+                None if status is None else int(status),
+                None if entry.get("error") is None else str(entry["error"]),
+                int(entry["started_ms"]),
+                int(entry["finished_ms"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            continue
+    return tuple(found[n] for n in sorted(found))
+
+
+def rate_text(per_min: float) -> str:
+    """Deliveries per minute as a person reads them: ``0``, ``0.4/min``, ``12/min``, ``3.2/s``."""
+    if per_min <= 0:
+        return "0"
+    if per_min >= 120:
+        return f"{per_min / 60:.1f}/s"
+    return f"{per_min:.1f}/min" if per_min < 10 else f"{per_min:.0f}/min"
+
+
 def duration_text(ms: int) -> str:
     """A wait as a person reads it: ``850 ms``, ``42 s``, ``7 min 5 s``, ``5 d 9 h``."""
     if ms < 1000:
@@ -173,7 +223,41 @@ class Point:
 
 CHART_WIDTH = 640
 CHART_HEIGHT = 160
-_PAD = 34
+#: Room left of the bars for the axis label (``59 min 59 s`` at the tick's size).
+_PAD = 72
+
+
+def lateness_text(ms: int | None) -> str:
+    """A lateness with its unit: ``19 ms``, ``1.0 s``, ``7 min 5 s``."""
+    if ms is None:
+        return "—"
+    if ms < 1000:
+        return f"{ms} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    return duration_text(ms)
+
+
+@dataclass(frozen=True, slots=True)
+class LatenessSummary:
+    count: int
+    failed: int
+    p50: str
+    p99: str
+    #: Backfilled deliveries left out (they replay the past: late by definition).
+    backfills: int
+
+
+def lateness_summary(executions: Sequence[tuple[int, bool, bool]]) -> LatenessSummary:
+    """From (lateness ms, failed, is backfill) per execution: the quantiles of the others."""
+    timely = [late for late, _, backfill in executions if not backfill]
+    return LatenessSummary(
+        count=len(timely),
+        failed=sum(1 for _, failed, backfill in executions if failed and not backfill),
+        p50=lateness_text(quantile(timely, 0.5)),
+        p99=lateness_text(quantile(timely, 0.99)),
+        backfills=len(executions) - len(timely),
+    )
 
 
 def lateness_chart(points: Sequence[Point]) -> Markup:
@@ -192,10 +276,11 @@ def lateness_chart(points: Sequence[Point]) -> Markup:
         f'<svg class="chart" viewBox="0 0 {CHART_WIDTH} {CHART_HEIGHT}" width="100%" '
         f'role="img" aria-labelledby="chart-title" xmlns="http://www.w3.org/2000/svg">',
         f'<title id="chart-title">Lateness of the last {len(points)} executions, '
-        f"oldest left, highest {top} ms</title>",
+        f"oldest left, highest {escape(lateness_text(top))}</title>",
         f'<line x1="{_PAD}" y1="{inner_h + 4}" x2="{CHART_WIDTH - 4}" y2="{inner_h + 4}" '
         'class="axis"/>',
-        f'<text x="{_PAD - 4}" y="12" text-anchor="end" class="tick">{top} ms</text>',
+        f'<text x="{_PAD - 4}" y="12" text-anchor="end" class="tick">'
+        f"{escape(lateness_text(top))}</text>",
         f'<text x="{_PAD - 4}" y="{inner_h + 4}" text-anchor="end" class="tick">0</text>',
     ]
     for i, point in enumerate(points):
@@ -203,7 +288,7 @@ def lateness_chart(points: Sequence[Point]) -> Markup:
         x = _PAD + i * step
         y = inner_h + 4 - height
         kind = "bar failed" if point.failed else "bar"
-        title = escape(f"{point.label}: {point.lateness_ms} ms late")
+        title = escape(f"{point.label}: {lateness_text(point.lateness_ms)} late")
         parts.append(
             f'<rect class="{kind}" x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" '
             f'height="{max(height, 0.5):.1f}"><title>{title}</title></rect>'

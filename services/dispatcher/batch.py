@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.dispatcher.views import view
-from shared.contract import errors, keys, models
+from shared.contract import errors, keys, models, validation
 from shared.contract.entries import Upsert
 from shared.contract.errors import ValidationFailed
 from shared.contract.rows import AppliedCommand, CommandAudit, NewScheduleRow, ScheduleRow
@@ -136,13 +136,20 @@ def _apply_one(
     current_version = old.version if old is not None and live else 0
     if item.expected_version is not None and item.expected_version != current_version:
         return version_conflict(item.expected_version, current_version)
+    definition = item.schedule.model_dump(mode="json")
+    warnings = validation.warnings_of(item.plan, now_ms)
+    resumes = old is not None and old.state == "paused" and not item.schedule.paused
+    if live and old is not None and old.definition == definition and not resumes:
+        # The same definition again (a file applied twice): nothing to change, no new version.
+        # Unless it resumes a schedule paused for it (pause_after_failures): that is a change.
+        reply = {"ok": True, "created": False, "unchanged": True, "schedule": view(old, now_ms)}
+        return _Applied(old, None, None, _warned(reply, warnings))
     version = (old.version if old is not None else 0) + 1
     plan = dataclasses.replace(item.plan, version=version)
     current = _current_of(old) if live and old is not None else None
     member = keys.member(item.namespace, item.schedule.id)
     placement = rotation.place_upsert(current, plan, item.schedule.paused, now_ms, member)
     raw_plan = compact.encode(plan)
-    definition = item.schedule.model_dump(mode="json")
     new_row = NewScheduleRow(
         item.namespace,
         item.schedule.id,
@@ -174,7 +181,12 @@ def _apply_one(
     )
     index_write = rotation.index_write(item.namespace, item.schedule.id, plan, raw_plan, placement)
     reply = {"ok": True, "created": not live, "schedule": view(row, now_ms)}
-    return _Applied(row, new_row, (index_write, version), reply)
+    return _Applied(row, new_row, (index_write, version), _warned(reply, warnings))
+
+
+def _warned(reply: dict[str, Any], warnings: list[Any]) -> dict[str, Any]:
+    """A reply with its ``warnings`` (an extension of the pinned reply), when there are any."""
+    return {**reply, "warnings": warnings} if warnings else reply
 
 
 def _change_one(

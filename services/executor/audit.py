@@ -73,6 +73,7 @@ class AuditWriter:
                     # Stats ride along with the rows: one more statement per batch, never one
                     # per fire (rows are dropped right after, so a batch counts once).
                     await self.store.write_stats(stats.fold(rows))
+                    await self.store.write_minutes(stats.minutes(rows))
                     del self.rows[: len(rows)]
                     metrics.AUDIT_WRITTEN.inc(len(rows))
                 if checkpoints:

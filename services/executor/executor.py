@@ -413,9 +413,10 @@ class Executor:
     async def _deliver(self, occ: Occurrence, key: str) -> tuple[Outcome, int, int]:
         kind = "webhook" if isinstance(occ.plan.target, WebhookPlan) else "amqp"
         started = self.now_ms()
-        if occ.attempt == 1:
-            # Retries are late by design (their backoff); lateness measures the first attempt.
-            metrics.FIRE_LATENESS.observe(max(started - occ.nominal_ms, 0) / 1000)
+        if occ.attempt == 1 and not occ.is_backfill:
+            # Retries are late by design (their backoff), backfills by definition (the past,
+            # asked for): lateness measures first attempts, from the due time.
+            metrics.FIRE_LATENESS.observe(max(started - occ.due_ms, 0) / 1000)
         if self.events.wanted("fired"):
             await self.events.publish(
                 "fired", settle.row_of(occ, key, "fired", None, started, started)

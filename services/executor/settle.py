@@ -13,7 +13,7 @@ from typing import Literal
 
 from shared.contract.delivery import Occurrence
 from shared.contract.entries import Completion, resting_occ_state
-from shared.contract.rows import Checkpoint, ExecutionRow
+from shared.contract.rows import Checkpoint, ExecutionRow, failed_attempt
 from shared.rules import backfill, backoff, schedule
 
 EventKind = Literal["succeeded", "failed", "dead", "skipped"]
@@ -49,18 +49,37 @@ def _rotate(
     claimed, however late, instead of being judged (and perhaps skipped) again.
     """
     plan = occ.plan
+    # Without max_fires the index keeps no count (``resting_occ_state``): the checkpoint then
+    # adds this occurrence's fire to PostgreSQL's count instead of setting it.
+    counted = plan.max_fires is not None
+    told = fires if counted else fires - occ.fires
     if next_nominal is None:
         return (
             Completion(occ.member, occ.token, None, "", finish=True),
             Checkpoint(
-                occ.namespace, occ.id, passed_ms, None, fires, finished=True, version=plan.version
+                occ.namespace,
+                occ.id,
+                passed_ms,
+                None,
+                told,
+                finished=True,
+                version=plan.version,
+                counted=counted,
             ),
         )
     fire = schedule.fire_at_ms(plan, occ.member, next_nominal)
-    state = resting_occ_state(next_nominal, fire, fires, plan.max_fires is not None, catch_up)
+    state = resting_occ_state(next_nominal, fire, fires, counted, catch_up)
     return (
         Completion(occ.member, occ.token, fire, state),
-        Checkpoint(occ.namespace, occ.id, passed_ms, next_nominal, fires, version=plan.version),
+        Checkpoint(
+            occ.namespace,
+            occ.id,
+            passed_ms,
+            next_nominal,
+            told,
+            version=plan.version,
+            counted=counted,
+        ),
     )
 
 
@@ -112,7 +131,7 @@ def row_of(
     started_ms: int,
     finished_ms: int,
 ) -> ExecutionRow:
-    return ExecutionRow(
+    row = ExecutionRow(
         namespace=occ.namespace,
         id=occ.id,
         nominal_ms=occ.nominal_ms,
@@ -125,7 +144,12 @@ def row_of(
         started_ms=started_ms,
         finished_ms=finished_ms,
         is_backfill=occ.is_backfill,
+        due_ms=occ.due_ms,
     )
+    if outcome is not None and not outcome.ok:
+        # The row keeps only the latest attempt; the log keeps each failed one.
+        row.failed_attempts = [failed_attempt(row)]
+    return row
 
 
 def settle(

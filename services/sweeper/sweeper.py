@@ -120,6 +120,10 @@ class Sweeper(Repairs):
             dropped = await db.drop_partitions_before(
                 conn, today - dt.timedelta(days=self.settings.retention_days)
             )
+        # The console shows the last hour of per-namespace minutes; a day is plenty.
+        await self.store.trim_minutes(
+            dt.datetime.fromtimestamp(self.clock(), dt.UTC) - dt.timedelta(days=1)
+        )
         if dropped:
             metrics.PARTITIONS_DROPPED.inc(len(dropped))
             log.info(

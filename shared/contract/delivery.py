@@ -46,6 +46,14 @@ class Occurrence:
         return self.trigger_ms is not None
 
     @property
+    def due_ms(self) -> int:
+        """When the occurrence was due: a regular one at its nominal time plus its jitter, a
+        trigger or a backfilled one at its nominal time. Lateness is measured from here."""
+        if self.is_trigger or self.is_backfill:
+            return self.nominal_ms
+        return schedule.fire_at_ms(self.plan, self.member, self.nominal_ms)
+
+    @property
     def is_backfill(self) -> bool:
         """An occurrence of the schedule's backfill (member ``ns/id#b``): the regular
         occurrence at its nominal time again, one at a time, outside the rotation."""

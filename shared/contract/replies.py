@@ -62,6 +62,13 @@ class BackfillProgress(Reply):
     remaining: int
 
 
+class Notice(Reply):
+    """Something to notice in an accepted upsert: the field and why (a ``once`` in the past)."""
+
+    field: str
+    reason: str
+
+
 class StoredSchedule(ScheduleDefinition):
     """A schedule as cronbus stores it: its definition, plus what cronbus assigns."""
 
@@ -83,6 +90,11 @@ class StoredSchedule(ScheduleDefinition):
     paused_reason: Literal["failures", "command"] | None = None
     breaker: Breaker | None = None
     backfill: BackfillProgress | None = None
+    #: Set by ``upsert`` only: the definition sent was the stored one, so nothing changed
+    #: (the version stays).
+    unchanged: bool = False
+    #: Set by ``upsert`` only: what to notice, though the upsert was applied.
+    warnings: list[Notice] = []
 
 
 class Triggered(Reply):

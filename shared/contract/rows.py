@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.contract import timefmt
@@ -128,6 +128,26 @@ class ExecutionRow:
     excluded: int = 0
     #: A backfilled delivery (``ns/id#b``): its own row beside the regular occurrence's.
     is_backfill: bool = False
+    #: When the occurrence was due (its nominal time plus jitter): lateness counts from here,
+    #: to the start of its first attempt. None: the nominal time.
+    due_ms: int | None = None
+    #: The failed attempts this row records (see ``failed_attempt``), oldest first.
+    failed_attempts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def lateness_ms(self) -> int:
+        return self.started_ms - (self.nominal_ms if self.due_ms is None else self.due_ms)
+
+
+def failed_attempt(row: ExecutionRow) -> dict[str, Any]:
+    """One entry of ``executions.failed_attempts``: what a person asks of a failed try."""
+    return {
+        "attempt": row.attempts,
+        "http_status": row.http_status,
+        "error": row.error,
+        "started_ms": row.started_ms,
+        "finished_ms": row.finished_ms,
+    }
 
 
 @dataclass(slots=True)
@@ -141,6 +161,10 @@ class Checkpoint:
     #: The version of the schedule the occurrence ran under: a checkpoint from before a
     #: change that restarted the rotation is refused (see ``write_checkpoints``).
     version: int = 0
+    #: False when the index does not count this schedule's fires (no ``max_fires``: its
+    #: resting entry stays small); ``fires`` is then what this checkpoint adds (1 for a fire,
+    #: 0 for a skip), not the total.
+    counted: bool = True
 
 
 #: Statuses after which an occurrence is never attempted again.

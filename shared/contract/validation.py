@@ -7,6 +7,7 @@ operator's policy: a spec that never fires, a body that is too big, a target tha
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import functools
 import ipaddress
@@ -103,8 +104,29 @@ _REASONS = {
 }
 
 
+def _known_fields() -> tuple[str, ...]:
+    """Every field name the contract's models accept (what a misspelt name was meant to be)."""
+    names: set[str] = set()
+    for value in vars(models).values():
+        if isinstance(value, type) and issubclass(value, pydantic.BaseModel):
+            for name, info in value.model_fields.items():
+                names.add(info.alias or name)
+    return tuple(sorted(names))
+
+
+_KNOWN_FIELDS = _known_fields()
+
+
+def _unknown_field(loc: tuple[int | str, ...]) -> str:
+    name = loc[-1] if loc else ""
+    close = difflib.get_close_matches(str(name), _KNOWN_FIELDS, n=1, cutoff=0.75)
+    return f"unknown field; did you mean {close[0]!r}?" if close else "unknown field"
+
+
 def _reason_of(error: Any) -> str:
     kind = error["type"]
+    if kind == "extra_forbidden":
+        return _unknown_field(tuple(error["loc"]))
     if kind in _REASONS:
         return _REASONS[kind]
     if kind == "union_tag_invalid":
@@ -293,7 +315,14 @@ def _target_problems(
     if isinstance(target, models.WebhookTarget):
         host = (urlsplit(target.url).hostname or "").lower()
         if policy.host_denied(host):
-            problems.append({"field": "target.url", "reason": f"host {host} is not allowed"})
+            problems.append(
+                {
+                    "field": "target.url",
+                    "reason": f"host {host} is not allowed: a private, local or reserved "
+                    "address, which webhooks may reach only in the networks the operator "
+                    "lists in CRONBUS_WEBHOOK_ALLOWED_NETWORKS (comma-separated CIDRs)",
+                }
+            )
         elif not policy.host_allowed(host):
             problems.append(
                 {
@@ -356,6 +385,22 @@ def _firing_problems(plan: Plan, now_ms: int) -> list[FieldError]:
                 "field": "spec.at" if isinstance(rule, OnceRule) else "spec.end_at",
                 "reason": f"{timefmt.format_ms(first)} is already past and misfire policy "
                 f"{plan.misfire.policy} would never fire it",
+            }
+        ]
+    return []
+
+
+def warnings_of(plan: Plan, now_ms: int) -> list[FieldError]:
+    """What an accepted schedule does that its author may not expect (the reply's
+    ``warnings``): a ``once`` whose time has passed fires right away, as a catch-up."""
+    rule = plan.rule
+    if isinstance(rule, OnceRule) and rule.at_ms < now_ms:
+        return [
+            {
+                "field": "spec.at",
+                "reason": f"{timefmt.format_ms(rule.at_ms)} is in the past: the schedule fires "
+                "once, now (misfire policy "
+                f"{plan.misfire.policy}); give a future time to fire it later",
             }
         ]
     return []

@@ -78,6 +78,35 @@ def fold(rows: Iterable[ExecutionRow]) -> list[Delta]:
     return list(deltas.values())
 
 
+@dataclass(slots=True)
+class Minute:
+    """Deliveries of one namespace in one minute (the console's live rates)."""
+
+    namespace: str
+    minute_ms: int
+    fires: int = 0
+    succeeded: int = 0
+    failed_attempts: int = 0
+    dead: int = 0
+
+
+def minutes(rows: Iterable[ExecutionRow]) -> list[Minute]:
+    """One entry per namespace and minute an attempt finished in."""
+    found: dict[tuple[str, int], Minute] = {}
+    for row in rows:
+        if row.status == "skipped":
+            continue
+        at = row.finished_ms - row.finished_ms % 60_000
+        entry = found.get((row.namespace, at))
+        if entry is None:
+            entry = found[(row.namespace, at)] = Minute(row.namespace, at)
+        entry.fires += row.attempts == 1
+        entry.succeeded += row.status == "succeeded"
+        entry.failed_attempts += row.status in ("retrying", "dead")
+        entry.dead += row.status == "dead"
+    return list(found.values())
+
+
 def empty() -> dict[str, Any]:
     return {name: (None if name.startswith("last_") else 0) for name in FIELDS}
 

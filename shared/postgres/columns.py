@@ -3,11 +3,12 @@ per key, audit values made safe for text and jsonb columns (pure)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 from shared.contract import codec
-from shared.contract.rows import CommandAudit
+from shared.contract.rows import Checkpoint, CommandAudit, ExecutionRow
 
 Row = TypeVar("Row")
 
@@ -22,6 +23,54 @@ def latest(
         if kept is None or rank(kept) <= rank(row):
             latest[key(row)] = row
     return list(latest.values())
+
+
+def _occurrence(r: ExecutionRow) -> Hashable:
+    return (r.namespace, r.id, r.nominal_ms, r.is_trigger, r.is_backfill)
+
+
+def _schedule(c: Checkpoint) -> Hashable:
+    return (c.namespace, c.id)
+
+
+def executions(rows: Sequence[ExecutionRow]) -> list[ExecutionRow]:
+    """One row per occurrence, its latest attempt, carrying every failed attempt of the batch
+    and the earliest lateness (the first attempt's)."""
+    key = _occurrence
+    kept = {key(r): r for r in latest(rows, key, lambda r: r.attempts)}
+    earlier: dict[Hashable, list[ExecutionRow]] = {}
+    for row in rows:
+        if kept[key(row)] is not row:
+            earlier.setdefault(key(row), []).append(row)
+    out = []
+    for k, last in kept.items():
+        others = earlier.get(k)
+        if not others:
+            out.append(last)
+            continue
+        ordered = sorted([*others, last], key=lambda r: r.attempts)
+        tried = [entry for r in ordered for entry in r.failed_attempts]
+        first = min(ordered, key=lambda r: r.lateness_ms)
+        # Lateness is started_ms - due_ms: a due time that keeps the first attempt's.
+        out.append(
+            dataclasses.replace(
+                last, failed_attempts=tried, due_ms=last.started_ms - first.lateness_ms
+            )
+        )
+    return out
+
+
+def checkpoints(rows: Sequence[Checkpoint]) -> list[Checkpoint]:
+    """One checkpoint per schedule, the latest fire's; uncounted ones add up their fires."""
+    key = _schedule
+    added: dict[Hashable, int] = {}
+    for c in rows:
+        if not c.counted:
+            added[key(c)] = added.get(key(c), 0) + c.fires
+    return [
+        c if c.counted else dataclasses.replace(c, fires=added[key(c)])
+        for c in latest(rows, key, lambda c: c.last_fire_ms)
+    ]
 
 
 def json_text(value: dict[str, Any] | bytes) -> str:

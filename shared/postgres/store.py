@@ -6,6 +6,7 @@ the firing path (executions, checkpoints) always go in batches: one statement pe
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -393,11 +394,7 @@ class Store:
         Runs outside the rotation that these rows complete stop being pending in the same
         transaction (a second statement only when the batch completes any).
         """
-        batch = columns.latest(
-            rows,
-            lambda r: (r.namespace, r.id, r.nominal_ms, r.is_trigger, r.is_backfill),
-            lambda r: r.attempts,
-        )
+        batch = columns.executions(rows)
         done = finished_runs(batch)
         if not done:
             await self._write_executions(self.pool, batch)
@@ -427,11 +424,13 @@ class Store:
             [r.started_ms for r in batch],
             [r.finished_ms for r in batch],
             [r.is_backfill for r in batch],
+            [r.lateness_ms for r in batch],
+            [codec.dumps(r.failed_attempts).decode() for r in batch],
         )
 
     async def write_checkpoints(self, rows: Sequence[Checkpoint]) -> None:
         """One statement for the whole batch; the latest fire of a schedule wins."""
-        batch = columns.latest(rows, lambda c: (c.namespace, c.id), lambda c: c.last_fire_ms)
+        batch = columns.checkpoints(rows)
         await self.pool.execute(
             QUERIES["write_checkpoints"],
             [c.namespace for c in batch],
@@ -441,6 +440,7 @@ class Store:
             [c.fires for c in batch],
             [c.finished for c in batch],
             [c.version for c in batch],
+            [c.counted for c in batch],
         )
         finished = [c for c in batch if c.finished]
         if finished:
@@ -454,6 +454,23 @@ class Store:
     async def write_stats(self, deltas: Sequence[Any]) -> None:
         """Per-schedule stats deltas (``shared.policy.stats.Delta``), one statement a batch."""
         await self.pool.execute(QUERIES["write_stats"], *columns.stats_arguments(deltas))
+
+    async def write_minutes(self, entries: Sequence[Any]) -> None:
+        """Per-namespace minutes (``shared.policy.stats.Minute``), one statement a batch."""
+        if not entries:
+            return
+        await self.pool.execute(
+            QUERIES["write_minutes"],
+            [m.namespace for m in entries],
+            [m.minute_ms for m in entries],
+            [m.fires for m in entries],
+            [m.succeeded for m in entries],
+            [m.failed_attempts for m in entries],
+            [m.dead for m in entries],
+        )
+
+    async def trim_minutes(self, before: dt.datetime) -> None:
+        await self.pool.execute(QUERIES["trim_minutes"], before)
 
     async def schedule_stats(self, namespace: str, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """id -> its ``schedule_stats`` row, for the given schedules of a namespace."""

@@ -207,7 +207,8 @@ class ConsoleSettings(CommonSettings):
     console_port: int = Field(default=8080, ge=0, le=65535)
     #: Address the pages listen on.
     console_host: str = "0.0.0.0"
-    #: Show and accept pause, resume, trigger and backfill (from, to), sent as commands.
+    #: Show the action buttons (pause, resume, trigger, backfill, delete, edit, retry, bulk) and
+    #: accept them, sent as commands. Off by default; ``cronbus dev`` turns it on.
     console_actions: bool = False
     #: The console's own broker user for actions, so broker permissions apply to it
     #: (empty: CRONBUS_AMQP_URL).

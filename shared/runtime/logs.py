@@ -21,12 +21,38 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for key, value in vars(record).items():
-            if key not in _STANDARD and not key.startswith("_"):
-                entry[key] = value
+        if hasattr(record, "service"):
+            entry["service"] = record.service
+        entry.update(_fields(record))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return codec.dumps(entry).decode()
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    return {
+        key: value
+        for key, value in vars(record).items()
+        if key not in _STANDARD and not key.startswith("_") and key != "service"
+    }
+
+
+class TextFormatter(logging.Formatter):
+    """A line a person reads: time, service, level, message, then the structured fields as
+    ``key=value`` (an "occurrence dead" says which occurrence and why)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = " ".join(f"{k}={_text(v)}" for k, v in _fields(record).items())
+        return f"{line} {fields}" if fields else line
+
+
+def _text(value: Any) -> str:
+    try:
+        text = value if isinstance(value, str) else codec.dumps(value).decode()
+    except TypeError:
+        text = repr(value)
+    return codec.dumps(text).decode() if not text or any(c in text for c in ' "=\n') else text
 
 
 def setup(level: str = "INFO", fmt: str = "json", service: str | None = None) -> None:
@@ -35,7 +61,7 @@ def setup(level: str = "INFO", fmt: str = "json", service: str | None = None) ->
         handler.setFormatter(JsonFormatter())
     else:
         prefix = f"{service} " if service else ""
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s"))
+        handler.setFormatter(TextFormatter(f"%(asctime)s {prefix}%(levelname)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -87,7 +87,8 @@ MISFIRES = Counter(
 )
 FIRE_LATENESS = Histogram(
     "cronbus_fire_lateness_seconds",
-    "Start of an occurrence's first delivery attempt minus its nominal fire time.",
+    "Start of an occurrence's first delivery attempt minus its due time (nominal plus jitter); "
+    "backfills excluded.",
     buckets=LATENESS_BUCKETS,
 )
 DELIVERY_DURATION = Histogram(

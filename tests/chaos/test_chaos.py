@@ -22,11 +22,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import codec, timefmt
 from shared.policy import netpolicy
 from shared.rules import schedule
 from tests.support import private, services
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]

@@ -22,11 +22,11 @@ import pytest
 
 from cronbus.cli.procs import SERVICES
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import codec
 from shared.policy import netpolicy
 from tests.support import private, services
 from tests.support import stack as stack_support
+from tests.support.commands import CommandClient
 from tests.support.stack import Proc, Stack
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]

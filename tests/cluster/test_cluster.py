@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from services.sweeper.sweeper import Sweeper
 from shared.contract import keys
 from shared.contract.entries import Completion, Upsert
@@ -21,6 +20,7 @@ from shared.rules import compact
 from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 from shared.runtime.config import CommonSettings, SweeperSettings
 from tests.support import cluster, services
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.policy import netpolicy
 from tests.support import services
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 pytestmark = pytest.mark.e2e

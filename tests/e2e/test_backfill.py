@@ -11,13 +11,13 @@ import time
 from typing import Any
 
 from cronbus.cli.sink import Received, Sink
-from cronbus.client import CommandClient
 from shared.contract import timefmt
 from shared.redis.index import Index
 from shared.rules import schedule
 from tests.e2e.test_operations import cli, get_until
 from tests.e2e.test_triggers import wait_until
 from tests.integration.test_console import _client as console_client
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 NS = "acme"

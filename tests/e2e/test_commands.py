@@ -15,9 +15,9 @@ import asyncpg
 import redis.asyncio as aioredis
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import codec, keys
 from tests.support import services
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 COMMANDS = (Path(__file__).resolve().parents[2] / "docs" / "commands.md").read_text()

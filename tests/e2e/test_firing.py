@@ -13,10 +13,10 @@ import aio_pika
 from aio_pika.abc import AbstractQueue
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import codec, keys, timefmt
 from shared.policy import tracing
 from shared.rules import schedule
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 

@@ -9,9 +9,9 @@ import time
 import aio_pika
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import keys, timefmt
 from shared.rabbitmq import amqp
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 

@@ -21,10 +21,10 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cronbus.client import CommandClient
 from shared.contract import codec, keys
 from shared.rabbitmq import amqp
 from tests.support import services
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 HOOK = "http://127.0.0.1:9/hook"

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import codec, timefmt
 from tests.e2e.test_firing import events_queue
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 TWO_EXECUTORS = ("dispatcher", "executor", "executor")

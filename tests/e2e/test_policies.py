@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import timefmt
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from cronbus.cli.procs import ServiceProcess
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import timefmt
 from shared.rules import schedule
 from tests.support import services
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 

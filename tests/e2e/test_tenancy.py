@@ -19,11 +19,11 @@ import redis.asyncio as aioredis
 import standardwebhooks
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import codec, keys
 from shared.policy import tracing
 from shared.rabbitmq import amqp
 from tests.e2e.test_firing import events_queue
+from tests.support.commands import CommandClient
 from tests.support.hostile import HostileServer
 from tests.support.stack import Proc, Stack
 

@@ -17,8 +17,9 @@ import aiormq.exceptions
 import asyncpg
 import pytest
 
-from cronbus.client import AccessRefused, Client, CommandClient
+from cronbus.client import AccessRefused, Client
 from tests.support import services
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 HOOK = {"kind": "webhook", "url": "http://127.0.0.1:9/hook"}

@@ -12,8 +12,8 @@ from aiohttp import web
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from tests.support import services
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 Span = tuple[str, str, str, str, str]  # service, name, trace id, span id, parent span id

@@ -11,10 +11,10 @@ import asyncpg
 import redis.asyncio as aioredis
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import keys, timefmt
 from shared.rules import schedule
 from tests.support import services
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 FAR_AWAY = "2099-01-01T00:00:00Z"

@@ -16,6 +16,7 @@ from services.console.readmodel import ReadModel
 from services.console.web import CSRF_COOKIE, Console
 from shared.contract import keys, models, validation
 from shared.contract.rows import ExecutionRow, NewScheduleRow
+from shared.policy import stats
 from shared.postgres.store import Store
 from shared.redis.index import Index
 from shared.rules import compact
@@ -105,14 +106,15 @@ async def _seed(store: Store) -> None:
                 _row("acme", "nightly", spec={"kind": "interval", "every_s": 60}),
             ],
         )
-    await store.write_executions(
-        [
-            _execution("billing", "invoice-1", 7200, "dead", http_status=503, error=HOSTILE),
-            _execution("billing", "invoice-1", 600, "succeeded", late_ms=250),
-            _execution("billing", "invoice-2", 300, "retrying", http_status=500, error="HTTP 500"),
-            _execution("acme", "nightly", 60, "dead", http_status=None, error="timeout"),
-        ]
-    )
+    rows = [
+        _execution("billing", "invoice-1", 7200, "dead", http_status=503, error=HOSTILE),
+        _execution("billing", "invoice-1", 600, "succeeded", late_ms=250),
+        _execution("billing", "invoice-2", 300, "retrying", http_status=500, error="HTTP 500"),
+        _execution("acme", "nightly", 60, "dead", http_status=None, error="timeout"),
+    ]
+    await store.write_executions(rows)
+    # As the executors' audit writer does with each batch.
+    await store.write_minutes(stats.minutes(rows))
 
 
 async def test_namespaces_show_counts_per_state_and_the_last_hours_failures(
@@ -120,10 +122,17 @@ async def test_namespaces_show_counts_per_state_and_the_last_hours_failures(
 ) -> None:
     await _seed(store)
     text = await (await console.get("/")).text()
-    rows = dict(re.findall(r'href="/ns/([a-z-]+)">.*?</th>(.*?)</tr>', text, re.S))
-    cells = {ns: re.findall(r'class="num">(?:<span class="bad">)?(\d+)', rows[ns]) for ns in rows}
-    # total, active, paused, completed, failures in the last hour (the 2 h old one is not)
-    assert cells == {"acme": ["1", "1", "0", "0", "1"], "billing": ["5", "4", "1", "0", "1"]}
+    rows = dict(
+        re.findall(r'<th scope="row"><a href="/ns/([a-z-]+)">.*?</th>(.*?)</tr>', text, re.S)
+    )
+    cells = {
+        ns: [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r'class="num">(.*?)</td>', row)]
+        for ns, row in rows.items()
+    }
+    # total, active, paused, completed; fires and failed attempts per minute over the last 5
+    # minutes; the last hour's fires, failed attempts and dead (the 2 h old one is not in it)
+    assert cells["acme"] == ["1", "1", "0", "0", "0.2/min", "0.2/min", "1", "1", "1"]
+    assert cells["billing"][:4] + cells["billing"][6:] == ["5", "4", "1", "0", "2", "1", "0"]
 
     # The counts follow state changes and deletions, whatever statement makes them.
     conn = await asyncpg.connect(database_url)
@@ -229,7 +238,7 @@ async def test_actions_need_the_setting_a_form_token_and_the_same_origin(
         )
         assert cross.status == 403
         assert "cross-origin" in await cross.text()
-        unknown = await on.post("/ns/billing/s/invoice-1/delete", data={"csrf": token.group(1)})
+        unknown = await on.post("/ns/billing/s/invoice-1/explode", data={"csrf": token.group(1)})
         assert unknown.status == 404
     finally:
         await on.close()

@@ -123,6 +123,7 @@ async def test_a_checkpoint_and_a_stats_update_on_every_page_are_hot(
                 [1] * len(ids),
                 [False] * len(ids),
                 [1] * len(ids),
+                [True] * len(ids),
             )
             assert await updates(conn, "schedules") == (len(ids), len(ids))
             checkpointed = await conn.fetch(

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from cronbus.cli.sink import Sink
-from cronbus.client import CommandClient
 from shared.contract import codec, keys, timefmt
 from shared.rules import schedule
 from tests.ledger import faults, mix, oracle
 from tests.ledger import sink as ledger_sink
 from tests.support import private
+from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
 

@@ -126,7 +126,8 @@ class Committer:
             for item, schedule_id in zip(items, ids, strict=True):
                 outcome = item if isinstance(item, ValidationFailed) else next(outcomes)
                 results.append(_item_result(schedule_id, outcome))
-            return [dataclasses.replace(audit, reply={"ok": True, "results": results})]
+            own = dataclasses.replace(audit, reply={"ok": True, "results": results})
+            return [own, *_item_audits(audit, results)]
 
         message_id = audit.message_id
         own = (audit.namespace or "", message_id) if message_id else None
@@ -291,7 +292,29 @@ def _item_result(
     if isinstance(outcome, ValidationFailed):
         return {"id": schedule_id, "ok": False, "error": error_of(outcome)}
     schedule = outcome["schedule"]
-    return {"id": schedule["id"], "ok": True, "version": schedule["version"]}
+    result = {"id": schedule["id"], "ok": True, "version": schedule["version"]}
+    # Extensions of a single upsert's reply, passed on per item.
+    result.update({k: outcome[k] for k in ("unchanged", "warnings") if k in outcome})
+    return result
+
+
+def _item_audits(audit: CommandAudit, results: list[dict[str, Any]]) -> list[CommandAudit]:
+    """A row per schedule the command named, so that each schedule's audit shows it. They
+    carry no message_id (the command's own row answers replays) nor body (it is there too)."""
+    return [
+        dataclasses.replace(
+            audit,
+            schedule_id=result["id"],
+            outcome="ok" if result["ok"] else result["error"]["code"],
+            body=None,
+            error=None if result["ok"] else result["error"],
+            version=result.get("version"),
+            message_id=None,
+            reply=None,
+        )
+        for result in results
+        if isinstance(result.get("id"), str)
+    ]
 
 
 def _with_refusals(

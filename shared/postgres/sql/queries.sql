@@ -144,42 +144,54 @@ SELECT EXISTS (SELECT 1 FROM executions
                  AND is_trigger = $4 AND NOT is_backfill);
 
 -- write_executions --
--- A batch of execution rows; a later attempt of the same occurrence replaces an earlier one. A
--- backfilled delivery has its own row beside the regular occurrence's.
+-- A batch of execution rows; a later attempt of the same occurrence replaces an earlier one,
+-- adding its failed attempts to the log. Lateness is the first attempt's: from the due time
+-- to its start (a retry's backoff is not lateness). A backfilled delivery has its own row
+-- beside the regular occurrence's.
 INSERT INTO executions AS e (namespace, id, nominal_at, is_trigger, is_backfill, attempts,
                              status, http_status, error, idempotency_key, started_at,
-                             finished_at, lateness_ms)
+                             finished_at, lateness_ms, failed_attempts)
 SELECT r.namespace, r.id, to_timestamp(r.nominal_ms / 1000.0), r.is_trigger, r.is_backfill,
        r.attempts, r.status, r.http_status, r.error, r.idempotency_key,
        to_timestamp(r.started_ms / 1000.0), to_timestamp(r.finished_ms / 1000.0),
-       r.started_ms - r.nominal_ms
+       r.lateness_ms, r.failed_attempts::jsonb
 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::boolean[], $5::int[], $6::text[],
-            $7::int[], $8::text[], $9::text[], $10::bigint[], $11::bigint[], $12::boolean[])
+            $7::int[], $8::text[], $9::text[], $10::bigint[], $11::bigint[], $12::boolean[],
+            $13::bigint[], $14::text[])
      AS r(namespace, id, nominal_ms, is_trigger, attempts, status, http_status, error,
-          idempotency_key, started_ms, finished_ms, is_backfill)
+          idempotency_key, started_ms, finished_ms, is_backfill, lateness_ms, failed_attempts)
 ON CONFLICT (namespace, id, nominal_at, is_trigger, is_backfill) DO UPDATE
 SET attempts = EXCLUDED.attempts, status = EXCLUDED.status,
     http_status = EXCLUDED.http_status, error = EXCLUDED.error,
     started_at = EXCLUDED.started_at, finished_at = EXCLUDED.finished_at,
-    lateness_ms = EXCLUDED.lateness_ms
+    lateness_ms = LEAST(e.lateness_ms, EXCLUDED.lateness_ms),
+    failed_attempts = e.failed_attempts || EXCLUDED.failed_attempts
 WHERE e.attempts <= EXCLUDED.attempts;
 
 -- write_checkpoints --
 -- A batch of rotation checkpoints: the latest completed nominal fire of the current rotation
--- wins.
+-- wins. A counted checkpoint carries the rotation's total of fires; an uncounted one (the
+-- index keeps no count without max_fires) what its occurrences add, even when a checkpoint
+-- of a later fire got here first (another executor flushed sooner).
 UPDATE schedules AS s
-SET last_fire_at = to_timestamp(c.last_ms / 1000.0),
-    next_fire_at = CASE WHEN c.next_ms IS NULL THEN NULL
+SET last_fire_at = CASE WHEN c.newer THEN to_timestamp(c.last_ms / 1000.0)
+                        ELSE s.last_fire_at END,
+    next_fire_at = CASE WHEN NOT c.newer THEN s.next_fire_at
+                        WHEN c.next_ms IS NULL THEN NULL
                         ELSE to_timestamp(c.next_ms / 1000.0) END,
-    fires = GREATEST(s.fires, c.fires),
-    state = CASE WHEN c.finished AND s.state = 'active' THEN 'completed' ELSE s.state END
-FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::boolean[],
-            $7::bigint[])
-     AS c(namespace, id, last_ms, next_ms, fires, finished, version)
+    fires = CASE WHEN c.counted THEN GREATEST(s.fires, c.fires) ELSE s.fires + c.fires END,
+    state = CASE WHEN c.newer AND c.finished AND s.state = 'active' THEN 'completed'
+                 ELSE s.state END
+FROM (SELECT u.*, (t.last_fire_at IS NULL
+                   OR t.last_fire_at <= to_timestamp(u.last_ms / 1000.0)) AS newer
+      FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[],
+                  $6::boolean[], $7::bigint[], $8::boolean[])
+           AS u(namespace, id, last_ms, next_ms, fires, finished, version, counted)
+      JOIN schedules t ON t.namespace = u.namespace AND t.id = u.id) AS c
 WHERE s.namespace = c.namespace AND s.id = c.id
   -- An occurrence of an older rotation (the schedule was reset since) checkpoints nothing.
   AND c.version >= COALESCE(s.rotation_version, 0)
-  AND (s.last_fire_at IS NULL OR s.last_fire_at <= to_timestamp(c.last_ms / 1000.0));
+  AND (c.newer OR NOT c.counted AND c.fires > 0);
 
 -- recent_executions --
 -- The latest executions of one schedule.
@@ -308,6 +320,21 @@ SET fires = s.fires + EXCLUDED.fires, succeeded = s.succeeded + EXCLUDED.succeed
                         OR EXCLUDED.last_fire_at < s.last_fire_at
                       THEN s.last_error ELSE EXCLUDED.last_error END,
     last_fire_at = GREATEST(s.last_fire_at, EXCLUDED.last_fire_at);
+
+-- write_minutes --
+-- Deliveries per namespace and minute, added up (one statement per audit batch).
+INSERT INTO namespace_minutes AS m (namespace, minute, fires, succeeded, failed_attempts, dead)
+SELECT d.namespace, to_timestamp(d.minute_ms / 1000.0), d.fires, d.succeeded,
+       d.failed_attempts, d.dead
+FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[])
+     AS d(namespace, minute_ms, fires, succeeded, failed_attempts, dead)
+ON CONFLICT (namespace, minute) DO UPDATE
+SET fires = m.fires + EXCLUDED.fires, succeeded = m.succeeded + EXCLUDED.succeeded,
+    failed_attempts = m.failed_attempts + EXCLUDED.failed_attempts, dead = m.dead + EXCLUDED.dead;
+
+-- trim_minutes --
+-- Minutes the console no longer shows.
+DELETE FROM namespace_minutes WHERE minute < $1;
 
 -- schedule_stats --
 -- The stats of the given schedules of a namespace (get and list).

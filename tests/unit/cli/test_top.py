@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.console import Console
+
 from cronbus.cli import top
 
 DISPATCHER = """
@@ -77,3 +79,33 @@ def test_endpoints_default_to_the_local_services() -> None:
         "http://a:1/metrics",
         "http://127.0.0.1:9/metrics",
     ]
+
+
+def _namespaces(scale: int) -> str:
+    names = ["billing", "acme", "demo", "ops", "reports", "search", "mail"]
+    return "# TYPE cronbus_namespace_outcomes_total counter\n" + "\n".join(
+        f'cronbus_namespace_outcomes_total{{namespace="{ns}",outcome="{outcome}"}} {count}'
+        for i, ns in enumerate(names)
+        for outcome, count in (("succeeded", scale * 100 * i), ("failed", scale * i), ("dead", 0))
+    )
+
+
+def _wide_sample(at_s: float, scale: int) -> top.Sample:
+    sample = _sample(at_s, published=10 * scale, backlog=4, ok=scale, failed=1, fast=1, mid=2)
+    sample.add("\n".join(f'cronbus_due_backlog{{shard="{s}"}} {s * 1000}' for s in range(16)))
+    sample.add(_namespaces(scale))
+    return sample
+
+
+def test_the_screen_fits_80_by_24_with_16_shards_and_shows_namespaces() -> None:
+    view = top.summarize(_wide_sample(12, 2), _wide_sample(10, 1))
+    assert [ns for ns, *_ in view.namespaces][:2] == ["mail", "search"]
+    console = Console(width=80, height=24, record=True, color_system=None)
+    console.print(top.render(view, ["a", "b", "c"], 2))
+    lines = console.export_text().rstrip("\n").splitlines()
+    assert len(lines) <= 24, "\n".join(lines)
+    assert all(len(line) <= 80 for line in lines)
+    screen = "\n".join(lines)
+    assert "billing" not in screen and "… 2 more" in screen  # the two quietest, counted
+    assert " 15:" in screen  # the last shard is on screen
+    assert "+Inf" not in screen

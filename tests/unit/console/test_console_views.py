@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -114,3 +116,33 @@ def test_waits_read_like_a_person_says_them() -> None:
     assert views.duration_text(465_156_700) == "5 d 9 h"
     assert views.duration_text(3_600_000) == "1 h"
     assert views.duration_text(-5) == "0 ms"
+
+
+def test_the_chart_axis_label_has_room_for_its_unit() -> None:
+    svg = str(views.lateness_chart([views.Point("a", 1_005, False)]))
+    label = re.search(r'<text x="([\d.]+)" y="12" text-anchor="end" class="tick">([^<]+)<', svg)
+    assert label is not None and label.group(2) == "1.0 s"
+    # Right-aligned at x: about 6 px a character at the tick's size must fit left of it.
+    assert float(label.group(1)) >= 6 * len("59 min 59 s")
+
+
+def test_lateness_leaves_out_backfills_and_says_its_unit() -> None:
+    summary = views.lateness_summary(
+        [(19, False, False), (25, True, False), (624_973_037, False, True)]
+    )
+    assert (summary.count, summary.failed, summary.backfills) == (2, 1, 1)
+    assert (summary.p50, summary.p99) == ("19 ms", "25 ms")
+    assert views.lateness_text(1_005) == "1.0 s" and views.lateness_text(425_000) == "7 min 5 s"
+
+
+def test_attempt_logs_keep_one_entry_per_attempt_in_order() -> None:
+    entry = {"http_status": 503, "error": "HTTP 503", "started_ms": 1_000, "finished_ms": 1_019}
+    log = [{**entry, "attempt": 2}, {**entry, "attempt": 1}, {**entry, "attempt": 1}, "junk"]
+    attempts = views.attempts_of(log)
+    assert [a.attempt for a in attempts] == [1, 2]
+    assert attempts[0].took_ms == 19 and attempts[0].http_status == 503
+    assert views.attempts_of(None) == ()
+
+
+def test_rates_read_as_a_person_says_them() -> None:
+    assert [views.rate_text(r) for r in (0, 0.2, 12, 600)] == ["0", "0.2/min", "12/min", "10.0/s"]

@@ -534,3 +534,30 @@ def test_a_body_nested_too_deep_is_refused_where_it_starts() -> None:
     assert error.details == [
         {"field": "target.body", "reason": f"nests deeper than {validation.MAX_DEPTH} levels"}
     ]
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "reason"),
+    [
+        (schedule(retyr={"max_attempts": 2}), "retyr", "did you mean 'retry'?"),
+        (
+            schedule(spec={"kind": "interval", "evrey_s": 5}),
+            "spec.evrey_s",
+            "did you mean 'every_s'?",
+        ),
+        (schedule(zzz=1), "zzz", "unknown field"),
+    ],
+)
+def test_a_misspelt_field_gets_a_suggestion(body: Any, field: str, reason: str) -> None:
+    error = refused("upsert", {"schedule": body})
+    assert any(d["field"] == field and reason in d["reason"] for d in error.details), error.details
+    if "did you mean" not in reason:
+        assert all("did you mean" not in d["reason"] for d in error.details)
+
+
+def test_a_denied_host_names_the_setting_that_allows_it() -> None:
+    error = refused(
+        "upsert", {"schedule": schedule(target={"kind": "webhook", "url": "http://10.1.2.3/h"})}
+    )
+    (detail,) = [d for d in error.details if d["field"] == "target.url"]
+    assert "CRONBUS_WEBHOOK_ALLOWED_NETWORKS" in detail["reason"]

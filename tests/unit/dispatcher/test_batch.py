@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.dispatcher import batch
 from shared.contract import models, timefmt, validation
 from shared.contract.errors import ValidationFailed
@@ -78,3 +80,45 @@ def test_a_message_id_replays_the_same_command_and_refuses_another() -> None:
     assert isinstance(paused, dict) and isinstance(replay, dict)
     assert replay == {**paused, "duplicate": True}
     assert isinstance(conflict, ValidationFailed) and conflict.code == "conflict"
+
+
+def test_the_same_definition_again_is_unchanged_and_keeps_its_version() -> None:
+    effect = batch.apply_upserts(
+        [item("a", 60), item("a", 60), item("a", 60, expected=1), item("a", 60, expected=5)],
+        {},
+        NOW,
+        NOW,
+    )
+    created, again, expected, stale = effect.results
+    assert isinstance(created, dict) and "unchanged" not in created
+    assert isinstance(again, dict) and again["unchanged"] is True
+    assert again["schedule"]["version"] == 1
+    assert isinstance(expected, dict) and expected["unchanged"] is True
+    # expected_version keeps its meaning: a stale one is a conflict, changed or not.
+    assert isinstance(stale, ValidationFailed) and stale.code == "version_conflict"
+    assert effect.rows[("ns", "a")].version == 1
+
+
+def test_a_once_in_the_past_is_accepted_with_a_warning() -> None:
+    schedule = models.Schedule.model_validate(
+        {
+            "id": "late",
+            "spec": {"kind": "once", "at": "2026-12-31T23:00:00Z"},
+            "target": {"kind": "webhook", "url": "http://billing.example:9/h"},
+        }
+    )
+    plan = validation.check_schedule(schedule, 0, NOW, validation.TargetPolicy())
+    (reply,) = batch.apply_upserts([batch.UpsertItem("ns", schedule, plan)], {}, NOW, NOW).results
+    assert isinstance(reply, dict) and reply["ok"] is True
+    (warning,) = reply["warnings"]
+    assert warning["field"] == "spec.at" and "in the past" in warning["reason"]
+    assert reply["schedule"]["next_fires"]  # it still fires, now
+
+
+def test_the_same_definition_resumes_a_schedule_paused_without_its_asking() -> None:
+    created = batch.apply_upserts([item("a", 60)], {}, NOW, NOW)
+    row = created.rows[("ns", "a")]
+    paused = batch._stored(dataclasses.replace(row, state="paused"), NOW, NOW)
+    (again,) = batch.apply_upserts([item("a", 60)], {("ns", "a"): paused}, NOW, NOW).results
+    assert isinstance(again, dict) and "unchanged" not in again
+    assert again["schedule"]["state"] == "active" and again["schedule"]["version"] == 2

@@ -171,7 +171,9 @@ def test_plain_hosts_and_ports_pass() -> None:
 
 def test_literal_addresses_are_checked_at_upsert_against_the_policy() -> None:
     details = upsert_errors("http://10.1.2.3:8080/x")
-    assert details == [{"field": "target.url", "reason": "host 10.1.2.3 is not allowed"}]
+    assert [d["field"] for d in details] == ["target.url"]
+    assert details[0]["reason"].startswith("host 10.1.2.3 is not allowed: ")
+    assert "CRONBUS_WEBHOOK_ALLOWED_NETWORKS" in details[0]["reason"]
     allowed = validation.TargetPolicy(allowed_networks=("10.0.0.0/8",))
     command = validation.parse_command(
         "upsert",
