@@ -65,8 +65,12 @@ async def test_every_method_returns_typed_replies(stack: Stack, sink: Sink, amqp
             labels={"team": "billing"},
         )
         assert (await c.upsert("billing", typed)).version == 1
+        # The same definition again changes nothing: the version stays, and the reply says so.
         again = await c.upsert("billing", typed, expected_version=1)
-        assert again.version == 2
+        assert (again.version, again.unchanged) == (1, True)
+        changed = typed.model_copy(update={"labels": {"team": "typed"}})
+        moved = await c.upsert("billing", changed, expected_version=1)
+        assert (moved.version, moved.unchanged) == (2, False)
 
         got = await c.get("billing", "invoice-42")
         assert got.version == 1 and got.stats is not None and got.stats.fires == 0
