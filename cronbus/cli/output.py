@@ -12,6 +12,7 @@ import yaml
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from shared.contract import codec, models, timefmt
 from shared.contract.replies import StoredSchedule
@@ -31,8 +32,14 @@ def add_option(parser: argparse.ArgumentParser, rows: str = "the reply, for scri
 
 def print_table(table: Table) -> None:
     # A pipe gets every column whole, never squeezed to 80 characters; no line ends in the
-    # padding of its last cell.
-    console = Console(width=None if sys.stdout.isatty() else 1_000_000, highlight=False)
+    # padding of its last cell. Cells are user text (labels, URLs, errors): never read as rich
+    # markup or emoji codes.
+    console = Console(
+        width=None if sys.stdout.isatty() else 1_000_000,
+        markup=False,
+        emoji=False,
+        highlight=False,
+    )
     with console.capture() as captured:
         console.print(table)
     print("\n".join(line.rstrip() for line in captured.get().splitlines()))
@@ -51,6 +58,11 @@ def _table(*headers: str) -> Table:
     for header in headers:
         table.add_column(header, overflow="fold")
     return table
+
+
+def _add_row(table: Table, cells: Sequence[str]) -> None:
+    """A row of plain text: ``[bold]`` or ``:thumbs_up:`` in a label is printed as written."""
+    table.add_row(*(Text(cell) for cell in cells))
 
 
 def instant(value: Any) -> str:
@@ -125,7 +137,7 @@ def schedules_table(schedules: Sequence[StoredSchedule], *, wide: bool) -> Table
                 str(stats.failed if stats else "-"),
                 str(stats.dead if stats else "-"),
             ]
-        table.add_row(*row)
+        _add_row(table, row)
     return table
 
 
@@ -162,7 +174,7 @@ def schedule_table(s: StoredSchedule, *, wide: bool) -> Table:
     if wide:
         rows += _wide_rows(s)
     for field, value in rows:
-        table.add_row(field, value)
+        _add_row(table, (field, value))
     return table
 
 

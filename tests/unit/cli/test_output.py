@@ -113,3 +113,29 @@ def test_completion_offers_every_subcommand() -> None:
     for name in ("apply", "get", "list", "executions", "completion", "bench", "preview"):
         assert f"[cronbus\\ {name}]=" in script or f"['cronbus {name}']=" in script
     assert "bashcompinit" in completion.script(build_parser(), "zsh")
+
+
+HOSTILE = {
+    "team": "[/oops]",
+    "boss": "[bold red]boss[/]",
+    "mood": "a:thumbs_up:b",
+}
+HOSTILE_URL = "http://127.0.0.1:8099/[link=http://evil]x"
+
+
+def test_user_text_is_printed_as_written_never_as_markup_or_emoji() -> None:
+    schedule = stored(
+        "invoice-42",
+        {"kind": "interval", "every_s": 60},
+        labels=HOSTILE,
+        target={"kind": "webhook", "url": HOSTILE_URL},
+    )
+    expected_labels = output.labels_text(HOSTILE)
+    assert expected_labels == "team=[/oops],boss=[bold red]boss[/],mood=a:thumbs_up:b"
+    for wide in (False, True):
+        text = "\n".join(printed(output.schedule_table(schedule, wide=wide)))
+        assert expected_labels in text
+        assert f"POST {HOSTILE_URL}" in text
+        assert "👍" not in text
+    listed = "\n".join(printed(output.schedules_table([schedule], wide=True)))
+    assert expected_labels in listed and HOSTILE_URL in listed and "👍" not in listed
