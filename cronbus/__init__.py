@@ -6,7 +6,8 @@ The client's names, importable from here::
     from cronbus import Client, SyncClient, CommandRefused, NotFound
 """
 
-from cronbus.client import AccessRefused, Client, ItemResult, NoReply, Page
+from cronbus.client import AccessRefused, Client, NoReply, Page
+from cronbus.forms import ItemResult, UpsertManyIncomplete
 from cronbus.sync import SyncClient
 from shared.contract.errors import CommandRefused, FieldError, NotFound
 from shared.contract.models import (
@@ -53,5 +54,6 @@ __all__ = [
     "StoredSchedule",
     "SyncClient",
     "Triggered",
+    "UpsertManyIncomplete",
     "WebhookTarget",
 ]

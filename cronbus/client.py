@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from os import environ
@@ -39,19 +39,26 @@ from aio_pika.abc import (
     AbstractRobustConnection,
 )
 
-from shared.contract import codec, keys, models, timefmt, validation
-from shared.contract.errors import CommandRefused, CronbusError, FieldError, ValidationFailed
+from cronbus.forms import (
+    TOO_LARGE,
+    ItemResult,
+    ScheduleInput,
+    UpsertManyIncomplete,
+    check,
+    chunks,
+    command_form,
+    instant,
+    item_form,
+    json_form,
+    schedule_id,
+)
+from shared.contract import codec, keys
+from shared.contract.errors import CommandRefused, CronbusError
 from shared.contract.replies import StoredSchedule, Triggered
 from shared.runtime.config import CommonSettings
 
-#: A schedule as the command carries it (a dict), or as the typed model.
-ScheduleInput = models.Schedule | Mapping[str, Any]
-
 #: The broker the services use by default.
 DEFAULT_URL: str = CommonSettings.model_fields["amqp_url"].default
-#: upsert_many sends at most this much per command, well inside the default
-#: CRONBUS_MAX_COMMAND_BYTES (262144).
-MAX_CHUNK_BYTES = 200_000
 
 #: What the broker raises when a user's permissions do not allow an operation: a publish to
 #: another tenant's namespace closes the channel with this.
@@ -81,83 +88,11 @@ def user_of(url: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class ItemResult:
-    """One schedule of an ``upsert_many``: applied (``ok``, its new ``version``) or refused
-    (``error``), exactly as a single upsert would have been."""
-
-    id: str | None
-    ok: bool
-    version: int | None = None
-    error: CommandRefused | None = None
-    #: The definition sent was the stored one: nothing changed, the version stays.
-    unchanged: bool = False
-    #: What to notice, though the schedule was applied (each with ``field`` and ``reason``).
-    warnings: tuple[FieldError, ...] = ()
-
-    def as_reply(self) -> dict[str, Any]:
-        """The result as the reply carries it."""
-        if self.error is not None:
-            return {"id": self.id, "ok": False, "error": self.error.reply["error"]}
-        reply: dict[str, Any] = {"id": self.id, "ok": True, "version": self.version}
-        if self.unchanged:
-            reply["unchanged"] = True
-        if self.warnings:
-            reply["warnings"] = [{"field": w.field, "reason": w.reason} for w in self.warnings]
-        return reply
-
-
-@dataclass(frozen=True)
 class Page:
     """One page of ``list``: the schedules, and the cursor of the next page (None: the last)."""
 
     schedules: builtins.list[StoredSchedule]
     next_cursor: str | None
-
-
-def refusal(failure: ValidationFailed) -> CommandRefused:
-    """The client's exception for what the intake would have refused the same way."""
-    return CommandRefused.of(
-        {"code": failure.code, "message": str(failure), "details": failure.details}
-    )
-
-
-def command_form(schedule: ScheduleInput) -> dict[str, Any]:
-    """A schedule as the command carries it: a typed model is written out as its fields."""
-    if isinstance(schedule, models.Schedule):
-        return schedule.model_dump(mode="json", by_alias=True, exclude_unset=True)
-    return dict(schedule)
-
-
-def check(namespace: str, verb: str, body: Mapping[str, Any]) -> None:
-    """Refuse locally what the intake would refuse: the same validation, without a round trip.
-    (What needs the operator's settings, such as allowed hosts, is still checked by cronbus.)"""
-    try:
-        validation.check_namespace(namespace)
-        validation.parse_command(verb, dict(body))
-    except ValidationFailed as failure:
-        raise refusal(failure) from None
-
-
-def chunks(schedules: builtins.list[Any]) -> Iterator[builtins.list[Any]]:
-    """upsert_many bodies: at most 1000 schedules and about MAX_CHUNK_BYTES each."""
-    chunk: builtins.list[Any] = []
-    size = 0
-    for item in schedules:
-        item_size = len(codec.dumps(item)) + 1
-        if chunk and (len(chunk) >= models.MAX_UPSERT_MANY or size + item_size > MAX_CHUNK_BYTES):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(item)
-        size += item_size
-    if chunk:
-        yield chunk
-
-
-def _instant(value: datetime | str) -> str:
-    if isinstance(value, datetime) and value.tzinfo is not None:
-        return timefmt.format_ms(timefmt.datetime_to_ms(value))
-    # A naive datetime goes as written, without a zone, so the refusal names the field.
-    return value.isoformat() if isinstance(value, datetime) else value
 
 
 @dataclass
@@ -355,8 +290,9 @@ class Client:
         return self._replies.name
 
     async def _command(self, namespace: str, verb: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        check(namespace, verb, body)
-        reply = await self.send(namespace, verb, body)
+        sent = json_form(body)  # checked and sent as the intake will read it
+        check(namespace, verb, sent)
+        reply = await self.send(namespace, verb, sent)
         if not reply.get("ok"):
             raise CommandRefused.of(reply.get("error") or {})
         return reply
@@ -404,43 +340,54 @@ class Client:
         """Create or replace many schedules, each applied or refused on its own.
 
         Sent as ``upsert_many`` commands of up to 1000 schedules each (more are split). A
-        schedule that would be refused is refused here, without being sent.
+        schedule that would be refused is refused here, without being sent. A command cronbus
+        refuses as ``too_large`` (its CRONBUS_MAX_COMMAND_BYTES is lower than the client's
+        chunks) changed nothing: it is split in half and sent again, down to one schedule,
+        which is then refused on its own.
 
         Returns
         -------
         list[ItemResult]
             One result per schedule, in input order.
+
+        Raises
+        ------
+        UpsertManyIncomplete
+            A command went unanswered or the broker refused it: ``.results`` holds what was
+            answered before (None for the schedules whose outcome is unknown).
         """
         check(namespace, "list", {})  # the namespace only
         results: builtins.list[ItemResult | None] = []
         to_send: builtins.list[tuple[int, dict[str, Any]]] = []
         for position, schedule in enumerate(schedules):
-            raw = command_form(schedule)
             try:
-                validation.parse_schedule(raw)
-            except ValidationFailed as failure:
-                schedule_id = raw.get("id") if isinstance(raw.get("id"), str) else None
-                results.append(ItemResult(schedule_id, False, error=refusal(failure)))
+                raw = item_form(schedule)
+            except CommandRefused as refused:
+                results.append(ItemResult(schedule_id(schedule), False, error=refused))
                 continue
             results.append(None)
             to_send.append((position, raw))
-        for chunk in chunks(to_send):
-            reply = await self._command(
-                namespace, "upsert_many", {"schedules": [r for _, r in chunk]}
-            )
-            for (position, _), result in zip(chunk, reply["results"], strict=True):
-                error = result.get("error")
-                results[position] = ItemResult(
-                    result.get("id"),
-                    bool(result.get("ok")),
-                    result.get("version"),
-                    None if error is None else CommandRefused.of(error),
-                    bool(result.get("unchanged")),
-                    tuple(
-                        FieldError(str(w.get("field")), str(w.get("reason")))
-                        for w in result.get("warnings") or []
-                    ),
+        pending = list(chunks(to_send))
+        while pending:
+            chunk = pending.pop(0)
+            try:
+                reply = await self.send(
+                    namespace, "upsert_many", {"schedules": [raw for _, raw in chunk]}
                 )
+            except (NoReply, AccessRefused) as exc:
+                raise UpsertManyIncomplete(f"upsert_many stopped: {exc}", results) from exc
+            if reply.get("ok"):
+                for (position, _), result in zip(chunk, reply["results"], strict=True):
+                    results[position] = ItemResult.of(result)
+                continue
+            whole = CommandRefused.of(reply.get("error") or {})
+            if whole.code == TOO_LARGE and len(chunk) > 1:
+                half = len(chunk) // 2
+                pending[:0] = [chunk[:half], chunk[half:]]
+                continue
+            # Refused as a whole (nothing of it changed): each of its schedules is refused.
+            for position, raw in chunk:
+                results[position] = ItemResult(schedule_id(raw), False, error=whole)
         return [result for result in results if result is not None]
 
     async def get(self, namespace: str, schedule_id: str) -> StoredSchedule:
@@ -553,7 +500,7 @@ class Client:
         int
             How many occurrences will be delivered.
         """
-        body: dict[str, Any] = {"id": schedule_id, "from": _instant(start), "to": _instant(end)}
+        body: dict[str, Any] = {"id": schedule_id, "from": instant(start), "to": instant(end)}
         if limit is not None:
             body["limit"] = limit
         reply = await self._command(namespace, "backfill", body)

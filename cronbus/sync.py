@@ -11,7 +11,8 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from cronbus.client import Client, ItemResult, Page, ScheduleInput
+from cronbus.client import Client, Page
+from cronbus.forms import ItemResult, ScheduleInput
 from shared.contract.replies import StoredSchedule, Triggered
 
 T = TypeVar("T")

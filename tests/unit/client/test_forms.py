@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from cronbus import CommandRefused, CronSpec, NotFound, Schedule, WebhookTarget
-from cronbus.client import ItemResult, check, chunks, command_form, refusal
+from cronbus.forms import ItemResult, check, chunks, command_form, refusal
 from shared.contract import validation
 from shared.contract.errors import ValidationFailed
 
