@@ -206,15 +206,15 @@ def run_executions(args: argparse.Namespace) -> int:
             rows = await store.recent_executions(args.namespace, args.id, args.limit)
             if not rows and fmt in ("table", "wide"):
                 print(f"no executions of {args.namespace}/{args.id}", file=sys.stderr)
-            output.print_executions(rows, fmt, header=bool(rows) or args.watch)
-            seen = {row["idempotency_key"]: row for row in rows}
+            seen: dict[Any, Any] = {}
+            # Watching, the first screen is oldest first too, so the stream reads in order.
+            first = output.news(seen, rows) if args.watch else rows
+            output.print_executions(first, fmt, header=bool(rows) or args.watch)
             while args.watch:
                 await asyncio.sleep(args.interval)
                 rows = await store.recent_executions(args.namespace, args.id, args.limit)
-                # Oldest first, as they happened: a new occurrence, or one whose attempt moved on.
-                changed = [row for row in reversed(rows) if seen.get(row["idempotency_key"]) != row]
-                seen.update((row["idempotency_key"], row) for row in changed)
-                output.print_executions(changed, fmt, header=False)
+                # A new occurrence, or one whose attempt moved on.
+                output.print_executions(output.news(seen, rows), fmt, header=False)
         finally:
             await store.close()
 

@@ -253,6 +253,20 @@ def execution_line(row: Mapping[str, Any], *, wide: bool) -> str:
     return _line([*cells, row["error"] or ""], wide=wide)
 
 
+def identity(row: Mapping[str, Any]) -> tuple[Any, bool, bool]:
+    """An execution row's key among its schedule's (as in PostgreSQL): its nominal time and
+    kind. A backfill of an occurrence has the occurrence's idempotency key, not its identity."""
+    return (row["nominal_at"], bool(row["is_trigger"]), bool(row["is_backfill"]))
+
+
+def news(seen: dict[tuple[Any, bool, bool], Any], rows: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """Of ``rows`` (newest first, as queried), those not printed yet or changed since, oldest
+    first (as they happened); ``seen`` learns them."""
+    changed = [row for row in reversed(rows) if seen.get(identity(row)) != row]
+    seen.update((identity(row), row) for row in changed)
+    return changed
+
+
 def print_executions(rows: Iterable[Mapping[str, Any]], fmt: str, *, header: bool) -> None:
     """Rows as the format wants them; ``header`` False for the rows --watch adds later."""
     rows = list(rows)

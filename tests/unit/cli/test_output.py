@@ -139,3 +139,37 @@ def test_user_text_is_printed_as_written_never_as_markup_or_emoji() -> None:
         assert "👍" not in text
     listed = "\n".join(printed(output.schedules_table([schedule], wide=True)))
     assert expected_labels in listed and HOSTILE_URL in listed and "👍" not in listed
+
+
+def execution(hour: int, **extra: Any) -> dict[str, Any]:
+    row = {
+        "nominal_at": dt.datetime(2027, 1, 4, hour, tzinfo=dt.UTC),
+        "is_trigger": False,
+        "is_backfill": False,
+        "status": "succeeded",
+        "attempts": 1,
+        "http_status": 200,
+        "lateness_ms": 3,
+        "error": None,
+        "started_at": None,
+        "finished_at": None,
+        "idempotency_key": f"key-{hour}",
+    }
+    return {**row, **extra}
+
+
+def test_watch_prints_a_backfill_once_beside_its_occurrence_and_in_order() -> None:
+    # Newest first, as PostgreSQL gives them: a backfill shares its occurrence's key.
+    rows = [execution(10, is_backfill=True), execution(10), execution(9)]
+    seen: dict[Any, Any] = {}
+    first = output.news(seen, rows)
+    assert [(r["nominal_at"].hour, r["is_backfill"]) for r in first] == [
+        (9, False),
+        (10, False),
+        (10, True),
+    ]
+    assert output.news(seen, rows) == []  # looked at again, nothing new: nothing printed
+    moved = execution(10, is_backfill=True, status="dead", attempts=3)
+    later = [execution(11), moved, execution(10), execution(9)]
+    assert output.news(seen, later) == [moved, execution(11)]
+    assert output.news(seen, later) == []
