@@ -52,7 +52,7 @@ from cronbus.forms import (
     json_form,
     schedule_id,
 )
-from shared.contract import codec, keys
+from shared.contract import codec, keys, replies
 from shared.contract.errors import CommandRefused, CronbusError
 from shared.contract.replies import StoredSchedule, Triggered
 from shared.runtime.config import CommonSettings
@@ -326,7 +326,7 @@ class Client:
         if expected_version is not None:
             body["expected_version"] = expected_version
         reply = await self._command(namespace, "upsert", body)
-        return StoredSchedule.model_validate(
+        return replies.stored(
             {
                 **reply["schedule"],
                 "unchanged": reply.get("unchanged", False),
@@ -399,7 +399,7 @@ class Client:
             There is no such schedule (or it was deleted).
         """
         reply = await self._command(namespace, "get", {"id": schedule_id})
-        return StoredSchedule.model_validate(reply["schedule"])
+        return replies.stored(reply["schedule"])
 
     async def page(
         self,
@@ -417,7 +417,7 @@ class Client:
         if state is not None:
             body["state"] = state
         reply = await self._command(namespace, "list", body)
-        schedules = [StoredSchedule.model_validate(item) for item in reply["schedules"]]
+        schedules = [replies.stored(item) for item in reply["schedules"]]
         return Page(schedules, reply.get("next_cursor"))
 
     async def list(
@@ -452,7 +452,7 @@ class Client:
 
     async def _by_id(self, verb: str, namespace: str, schedule_id: str) -> StoredSchedule:
         reply = await self._command(namespace, verb, {"id": schedule_id})
-        return StoredSchedule.model_validate(reply["schedule"])
+        return replies.stored(reply["schedule"])
 
     async def pause(self, namespace: str, schedule_id: str) -> StoredSchedule:
         """Stop a schedule firing; it keeps its place. Pausing a paused schedule changes
@@ -474,7 +474,7 @@ class Client:
         does not count against ``max_fires`` and does not move the next regular fire. Raises
         ``NotFound`` for an unknown schedule."""
         reply = await self._command(namespace, "trigger", {"id": schedule_id})
-        return Triggered.model_validate({**reply["trigger"], "schedule": reply["schedule"]})
+        return replies.triggered({**reply["trigger"], "schedule": reply["schedule"]})
 
     async def backfill(
         self,

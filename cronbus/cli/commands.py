@@ -15,9 +15,8 @@ import yaml
 from cronbus.cli import output
 from cronbus.cli.common import CliError, amqp_url, broker_error, database_error, database_url
 from cronbus.client import AccessRefused, Client, NoReply, user_of
-from shared.contract import timefmt
+from shared.contract import replies, timefmt
 from shared.contract.errors import CommandRefused
-from shared.contract.replies import StoredSchedule
 from shared.runtime import transient
 
 
@@ -112,7 +111,7 @@ def _show(args: argparse.Namespace, reply: dict[str, Any]) -> None:
     elif reply.get("ok"):
         wide = fmt == "wide"
         if "schedules" in reply:
-            found = [StoredSchedule.model_validate(item) for item in reply["schedules"]]
+            found = [replies.stored(item) for item in reply["schedules"]]
             if not found:
                 print(f"no schedules in namespace {args.namespace!r}", file=sys.stderr)
                 return
@@ -120,7 +119,7 @@ def _show(args: argparse.Namespace, reply: dict[str, Any]) -> None:
             if reply.get("next_cursor"):
                 print(f"more: --cursor {reply['next_cursor']}", file=sys.stderr)
         else:
-            schedule = StoredSchedule.model_validate(reply["schedule"])
+            schedule = replies.stored(reply["schedule"])
             output.print_table(output.schedule_table(schedule, wide=wide))
 
 

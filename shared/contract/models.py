@@ -103,10 +103,25 @@ Instant = Annotated[
 ]
 
 
+#: The validation context of a reply from cronbus (``replies.stored``): a newer cronbus's
+#: unknown fields are dropped at every level instead of refused. What users send is validated
+#: without it, strictly.
+REPLY_CONTEXT = {"reply": True}
+
+
 class Strict(BaseModel):
     """Unknown fields are refused, types are not coerced, values are immutable."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unknown_in_replies(cls, data: Any, info: ValidationInfo) -> Any:
+        reply = isinstance(info.context, dict) and info.context.get("reply")
+        if not reply or not isinstance(data, dict) or cls.model_config.get("extra") == "allow":
+            return data
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        return {key: value for key, value in data.items() if key in known}
 
 
 class Exclusion(Strict):

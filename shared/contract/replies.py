@@ -1,15 +1,20 @@
 """What replies carry, as typed models (pure): a stored schedule with what cronbus assigns, its
-stats, breaker and backfill, and a trigger's run. The Python client returns these."""
+stats, breaker and backfill, and a trigger's run. The Python client returns these.
+
+Replies are read leniently (``stored``, ``triggered``): a newer cronbus may add fields at any
+level and new state names; they are kept (on the reply models) or dropped (in the definition),
+never refused."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from shared.contract.models import Instant, ScheduleDefinition
+from shared.contract.models import REPLY_CONTEXT, Instant, ScheduleDefinition
 
-State = Literal["active", "paused", "completed", "deleted"]
+#: A schedule's state; a newer cronbus may name others (kept as the string).
+State = Literal["active", "paused", "completed", "deleted"] | str
 
 
 class Reply(BaseModel):
@@ -48,7 +53,7 @@ class Breaker(Reply):
     """The circuit breaker of the schedule's rate key, and any Retry-After hold (``get``)."""
 
     rate_key: str
-    state: Literal["open", "half_open", "closed"]
+    state: Literal["open", "half_open", "closed"] | str
     consecutive_failures: int
     open_until: Instant | None = None
     #: Until when a Retry-After of a 429 or 503 holds the rate key.
@@ -87,7 +92,7 @@ class StoredSchedule(ScheduleDefinition):
     updated_at: Instant
     stats: Stats | None = None
     #: ``failures`` when ``pause_after_failures`` paused it, ``command`` for a pause or upsert.
-    paused_reason: Literal["failures", "command"] | None = None
+    paused_reason: Literal["failures", "command"] | str | None = None
     breaker: Breaker | None = None
     backfill: BackfillProgress | None = None
     #: Set by ``upsert`` only: the definition sent was the stored one, so nothing changed
@@ -105,3 +110,13 @@ class Triggered(Reply):
     #: The ``Idempotency-Key`` its deliveries carry.
     idempotency_key: str
     schedule: StoredSchedule
+
+
+def stored(data: Any) -> StoredSchedule:
+    """A reply's schedule, read leniently: what a newer cronbus adds is kept or dropped."""
+    return StoredSchedule.model_validate(data, context=REPLY_CONTEXT)
+
+
+def triggered(data: Any) -> Triggered:
+    """A trigger's reply (``trigger`` and ``schedule`` merged), read leniently."""
+    return Triggered.model_validate(data, context=REPLY_CONTEXT)
