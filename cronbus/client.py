@@ -77,7 +77,14 @@ class AccessRefused(CronbusError):
 
 
 class NoReply(CronbusError, TimeoutError):
-    """No reply came within the timeout: is a dispatcher running against this broker?"""
+    """No reply came within the timeout: is a dispatcher running against this broker?
+
+    ``message_id`` is the unanswered command's: ``send(..., message_id=...)`` with it sends the
+    command again, which cronbus answers from its record if it was applied already."""
+
+    def __init__(self, message: str | None = None, message_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message_id = message_id
 
 
 def user_of(url: str) -> str | None:
@@ -148,11 +155,18 @@ class Client:
 
     async def connect(self) -> None:
         """Open the connection (``async with`` does it for you)."""
-        self._connection = await self._open()
-        self._channel = await self._connection.channel(publisher_confirms=True)
-        self._replies = await self._reply_queue(self._channel)
-        await self._replies.consume(self._on_reply, no_ack=True)
-        self._exchange = await self._channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
+        connection = await self._open()
+        try:
+            self._channel = await connection.channel(publisher_confirms=True)
+            self._replies = await self._reply_queue(self._channel)
+            await self._replies.consume(self._on_reply, no_ack=True)
+            self._exchange = await self._channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
+        except BaseException:
+            # Cancelled or failed half way: the robust connection would live on, reconnecting.
+            await asyncio.shield(connection.close())
+            self._channel = self._replies = self._exchange = None
+            raise
+        self._connection = connection
         if isinstance(self._connection, AbstractRobustConnection):
             self._connection.reconnect_callbacks.add(self._resend)
 
@@ -162,11 +176,12 @@ class Client:
             if not waiting.reply.done():
                 waiting.reply.set_exception(NoReply("the client was closed before the reply came"))
         if self._connection is not None:
-            await self._connection.close()
-            self._connection = None
+            connection, self._connection = self._connection, None
+            self._channel = self._replies = self._exchange = None
+            await connection.close()
 
     async def _open(self) -> AbstractConnection:
-        return await aio_pika.connect_robust(self.url, timeout=10)
+        return await aio_pika.connect_robust(self.url, timeout=self.timeout_s)
 
     async def _reply_queue(self, channel: AbstractChannel) -> AbstractQueue:
         # RabbitMQ's direct reply-to: nothing to declare or leave behind, and cronbus answers it
@@ -251,18 +266,22 @@ class Client:
         Raises
         ------
         NoReply
-            No reply within the timeout.
+            No reply within the timeout (or the client is closed): its ``message_id`` is the
+            command's, to send it again with.
         AccessRefused
             The broker user may not publish to this namespace.
         """
+        if self._connection is None:
+            raise NoReply("the client is not connected (or was closed): use 'async with Client()'")
         correlation_id = uuid.uuid4().hex
+        message_id = message_id or uuid.uuid4().hex
         routing_key = keys.command_routing_key(namespace, verb)
         message = aio_pika.Message(
             body if isinstance(body, bytes) else codec.dumps(dict(body)),
             content_type="application/json",
             correlation_id=correlation_id,
             reply_to=self._reply_to(),
-            message_id=message_id or uuid.uuid4().hex,
+            message_id=message_id,
             app_id=app_id or self.app_id,
             user_id=user_id or self.user_id,
             headers=dict(headers) if headers else None,
@@ -280,7 +299,8 @@ class Client:
         except TimeoutError:
             raise NoReply(
                 f"no reply to {routing_key} within {wait_s:g}s: is a dispatcher running "
-                "against this RabbitMQ?"
+                "against this RabbitMQ?",
+                message_id,
             ) from None
         finally:
             self._waiting.pop(correlation_id, None)

@@ -97,6 +97,8 @@ async def _connected(args: argparse.Namespace, verb: str) -> AsyncIterator[Clien
             f"RabbitMQ refused access (ACCESS_REFUSED): {user} may not send {verb} commands "
             f"to namespace {args.namespace!r} ({exc})"
         ) from None
+    except BrokenPipeError:
+        raise  # stdout's reader went away (`| head`), not the broker: main ends quietly
     except transient.ERRORS as exc:
         raise CliError(broker_error(exc)) from None
 

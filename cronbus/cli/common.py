@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 from urllib.parse import urlsplit
 
@@ -37,7 +38,7 @@ def unreachable(service: str, setting: str, url: str, exc: BaseException) -> str
     if refused is not None:
         return f"{refused}; check the user and password in {setting}"
     return (
-        f"cannot reach {service} at {_where(url)} ({exc}): is it running? "
+        f"cannot reach {service} at {_where(url)} ({exc or type(exc).__name__}): is it running? "
         f"{setting} says where it is"
     )
 
@@ -55,3 +56,25 @@ def quiet_drivers() -> None:
     (logged before it raises what this command reports) would be a stray second one."""
     for name in ("aiormq", "aio_pika"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def interval_s(text: str) -> float:
+    """An argparse type: seconds between looks, at least 0.1 (never a busy loop)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0
+    if not value >= 0.1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0.1")
+    return value

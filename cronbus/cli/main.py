@@ -17,7 +17,7 @@ from typing import TypeAlias
 from cronbus.bench import command as bench_command
 from cronbus.cli import commands, completion, dev, importer, output, procs, top
 from cronbus.cli import preview as preview_cmd
-from cronbus.cli.common import CliError, quiet_drivers, unreachable
+from cronbus.cli.common import CliError, interval_s, positive_int, quiet_drivers, unreachable
 from shared.runtime.config import DispatcherSettings, ExecutorSettings, SweeperSettings
 
 Handler = Callable[[argparse.Namespace], int]
@@ -83,13 +83,16 @@ def _add_commands(sub: Subparsers) -> None:
     p.set_defaults(handler=importer.run)
     p = sub.add_parser("executions", help="recent executions of a schedule (from PostgreSQL)")
     p.add_argument("id", help="schedule id")
-    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--limit", type=positive_int, default=20, help="most rows to show (20)")
     p.add_argument("--json", action="store_true", help="the same as -o json")
     p.add_argument(
         "-w", "--watch", action="store_true", help="then print executions as they come or change"
     )
     p.add_argument(
-        "--interval", type=float, default=2.0, help="seconds between looks with --watch (2)"
+        "--interval",
+        type=interval_s,
+        default=2.0,
+        help="seconds between looks with --watch (2; at least 0.1)",
     )
     _with_namespace(p)
     output.add_option(p, rows="one JSON object per line")
@@ -240,6 +243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing more to print, and nothing to say about it.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -169,7 +169,8 @@ class ExecutorSettings(WebhookPolicySettings):
     audit_buffer_max: int = Field(default=200_000, ge=1000)
     #: Which outcomes go to cronbus.events: all, failures (failed, dead, paused) or none.
     events: Literal["all", "failures", "none"] = "all"
-    #: Longest hold a Retry-After (of a 429 or 503) puts on its rate key.
+    #: Longest hold a Retry-After (of a 429 or 503) puts on its rate key; also the longest
+    #: delay a Retry-After gives the next attempt.
     max_retry_after_s: float = Field(default=3600, ge=0, le=86_400)
     #: Consecutive failed attempts to a rate key that open its circuit breaker.
     breaker_failures: int = Field(default=20, ge=1, le=1_000_000)

@@ -8,6 +8,8 @@ import io
 from contextlib import redirect_stdout
 from typing import Any
 
+import pytest
+
 from cronbus.cli import completion, output
 from cronbus.cli.main import build_parser
 from shared.contract.replies import StoredSchedule
@@ -173,3 +175,18 @@ def test_watch_prints_a_backfill_once_beside_its_occurrence_and_in_order() -> No
     later = [execution(11), moved, execution(10), execution(9)]
     assert output.news(seen, later) == [moved, execution(11)]
     assert output.news(seen, later) == []
+
+
+def test_executions_refuses_a_limit_or_interval_that_cannot_work() -> None:
+    parser = build_parser()
+    for argv in (
+        ["executions", "x", "--limit", "-1"],
+        ["executions", "x", "--limit", "0"],
+        ["executions", "x", "--watch", "--interval", "0"],
+        ["executions", "x", "--watch", "--interval", "nan"],
+    ):
+        with redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as usage:
+            parser.parse_args(argv)
+        assert usage.value.code == 2
+    args = parser.parse_args(["executions", "x", "--limit", "5", "--interval", "0.5"])
+    assert (args.limit, args.interval) == (5, 0.5)
