@@ -402,7 +402,10 @@ class Console:
             return self.render(
                 request, "edit.html", 400, s=found, text=text, problems=[f"definition: {exc}"]
             )
-        schedule = _with_header_values({**edited, "id": schedule_id}, found.definition)
+        try:
+            schedule = _with_header_values({**edited, "id": schedule_id}, found.definition)
+        except ValueError as exc:
+            return self.render(request, "edit.html", 400, s=found, text=text, problems=[str(exc)])
         body = {"schedule": schedule, "expected_version": version}
         (message,) = await self._send(request, namespace, [("upsert", body)])
         if not message.endswith(": done"):
@@ -467,17 +470,28 @@ def _editable(definition: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in definition.items() if k != "id"}
 
 
+#: What a target's hidden header values are sent to: they go back in only while it stays put.
+_DESTINATION = ("kind", "url", "method", "exchange", "routing_key")
+
+
 def _with_header_values(edited: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any]:
-    """Header values the form showed as hidden take their stored values back."""
+    """Header values the form showed as hidden take their stored values back, but only while
+    the target still sends them where it did: the person editing never saw those values (they
+    are tenants' credentials), so they may not redirect them. ValueError names the header."""
     target, old = edited.get("target"), stored.get("target")
     if not isinstance(target, dict) or not isinstance(old, dict):
         return edited
     headers, old_headers = target.get("headers"), old.get("headers")
     if not isinstance(headers, dict) or not isinstance(old_headers, dict):
         return edited
-    restored = {
-        k: (old_headers[k] if v == HIDDEN and k in old_headers else v) for k, v in headers.items()
-    }
+    hidden = [k for k, v in headers.items() if v == HIDDEN and k in old_headers]
+    moved = [f for f in _DESTINATION if target.get(f) != old.get(f)]
+    if hidden and moved:
+        raise ValueError(
+            f"target.headers.{hidden[0]}: its value is hidden and the target's "
+            f"{', '.join(moved)} changed: type the value again to send it to the new target"
+        )
+    restored = {k: (old_headers[k] if k in hidden else v) for k, v in headers.items()}
     return {**edited, "target": {**target, "headers": restored}}
 
 

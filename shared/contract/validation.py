@@ -117,16 +117,25 @@ def _known_fields() -> tuple[str, ...]:
 _KNOWN_FIELDS = _known_fields()
 
 
-def _unknown_field(loc: tuple[int | str, ...]) -> str:
-    name = loc[-1] if loc else ""
-    close = difflib.get_close_matches(str(name), _KNOWN_FIELDS, n=1, cutoff=0.75)
+#: Unknown fields of one command that get a "did you mean": a suggestion costs a fuzzy match
+#: against every known name, and a hostile command may hold thousands of unknown keys.
+MAX_SUGGESTIONS = 10
+#: Longer names get no suggestion (no known field is near them, and matching costs their length).
+MAX_SUGGESTED_NAME = 64
+
+
+def _unknown_field(loc: tuple[int | str, ...], suggest: bool) -> str:
+    name = str(loc[-1]) if loc else ""
+    if not suggest or len(name) > MAX_SUGGESTED_NAME:
+        return "unknown field"
+    close = difflib.get_close_matches(name, _KNOWN_FIELDS, n=1, cutoff=0.75)
     return f"unknown field; did you mean {close[0]!r}?" if close else "unknown field"
 
 
-def _reason_of(error: Any) -> str:
+def _reason_of(error: Any, suggest: bool = True) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
-        return _unknown_field(tuple(error["loc"]))
+        return _unknown_field(tuple(error["loc"]), suggest)
     if kind in _REASONS:
         return _REASONS[kind]
     if kind == "union_tag_invalid":
@@ -141,6 +150,7 @@ def _reason_of(error: Any) -> str:
 def field_errors(exc: pydantic.ValidationError, strip: str = "") -> list[FieldError]:
     """One ``{"field", "reason"}`` per problem; ``strip`` drops a leading path segment."""
     details: list[FieldError] = []
+    unknown = 0
     for error in exc.errors():
         loc = tuple(error["loc"])
         if strip and loc[:1] == (strip,):
@@ -151,7 +161,10 @@ def field_errors(exc: pydantic.ValidationError, strip: str = "") -> list[FieldEr
             if error["type"] == "union_tag_not_found":
                 details.append({"field": path.lstrip("."), "reason": "is required"})
                 continue
-        details.append({"field": path or "(body)", "reason": _reason_of(error)})
+        unknown += error["type"] == "extra_forbidden"
+        details.append(
+            {"field": path or "(body)", "reason": _reason_of(error, unknown <= MAX_SUGGESTIONS)}
+        )
     return details
 
 

@@ -67,7 +67,8 @@ def _add(delta: Delta, row: ExecutionRow) -> None:
 
 
 def fold(rows: Iterable[ExecutionRow]) -> list[Delta]:
-    """One delta per schedule, rows taken in the order they were settled."""
+    """One delta per schedule, rows taken in the order they were settled; the deltas in key
+    order, so two executors writing the same rows lock them in the same order (no deadlock)."""
     deltas: dict[tuple[str, str], Delta] = {}
     for row in rows:
         key = (row.namespace, row.id)
@@ -75,7 +76,7 @@ def fold(rows: Iterable[ExecutionRow]) -> list[Delta]:
         if delta is None:
             delta = deltas[key] = Delta(row.namespace, row.id)
         _add(delta, row)
-    return list(deltas.values())
+    return [deltas[key] for key in sorted(deltas)]
 
 
 @dataclass(slots=True)
@@ -91,7 +92,8 @@ class Minute:
 
 
 def minutes(rows: Iterable[ExecutionRow]) -> list[Minute]:
-    """One entry per namespace and minute an attempt finished in."""
+    """One entry per namespace and minute an attempt finished in, in key order: every executor
+    writes these hot rows, and one order for all of them means no deadlock."""
     found: dict[tuple[str, int], Minute] = {}
     for row in rows:
         if row.status == "skipped":
@@ -104,7 +106,7 @@ def minutes(rows: Iterable[ExecutionRow]) -> list[Minute]:
         entry.succeeded += row.status == "succeeded"
         entry.failed_attempts += row.status in ("retrying", "dead")
         entry.dead += row.status == "dead"
-    return list(found.values())
+    return [found[key] for key in sorted(found)]
 
 
 def empty() -> dict[str, Any]:

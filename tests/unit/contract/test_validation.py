@@ -561,3 +561,16 @@ def test_a_denied_host_names_the_setting_that_allows_it() -> None:
     )
     (detail,) = [d for d in error.details if d["field"] == "target.url"]
     assert "CRONBUS_WEBHOOK_ALLOWED_NETWORKS" in detail["reason"]
+
+
+def test_a_command_of_many_unknown_fields_gets_few_suggestions() -> None:
+    """A suggestion costs a fuzzy match against every known name: thousands of unknown keys in
+    one command (a tenant's hostile input) get at most ``MAX_SUGGESTIONS`` of them, so the
+    intake's loop is never held up by the matching."""
+    near_misses = {f"retry{chr(0x4E00 + n)}": 1 for n in range(2_000)}  # each close to "retry"
+    body = {"schedule": schedule(**near_misses)}
+    with pytest.raises(ValidationFailed) as refused:
+        validation.parse_command("upsert", body)
+    suggested = [d for d in refused.value.details if "did you mean" in d["reason"]]
+    assert 1 <= len(suggested) <= validation.MAX_SUGGESTIONS
+    assert len(refused.value.details) == 2_000

@@ -137,3 +137,23 @@ def test_what_replies_show_is_refused_in_an_upsert(field: str) -> None:
         )
     assert caught.value.details[0]["field"] == field
     assert "read-only" in caught.value.details[0]["reason"]
+
+
+def test_deltas_and_minutes_come_in_one_order_whatever_the_rows_order() -> None:
+    """Executors lock these rows in the order written: one order for all, so no deadlock."""
+    rows = [
+        ExecutionRow("b", "2", 0, False, 1, "succeeded", 200, None, "k1", 120_000, 120_001),
+        ExecutionRow("a", "9", 0, False, 1, "succeeded", 200, None, "k2", 60_000, 60_001),
+        ExecutionRow("a", "1", 0, False, 1, "dead", None, "x", "k3", 180_000, 180_001),
+    ]
+    for order in (rows, rows[::-1]):
+        assert [(d.namespace, d.id) for d in stats.fold(order)] == [
+            ("a", "1"),
+            ("a", "9"),
+            ("b", "2"),
+        ]
+        assert [(m.namespace, m.minute_ms) for m in stats.minutes(order)] == [
+            ("a", 60_000),
+            ("a", 180_000),
+            ("b", 120_000),
+        ]
