@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 
+import asyncpg
+
 from shared.contract.rows import BackfillProgress, Checkpoint, ExecutionRow
-from shared.policy import stats
 from shared.postgres.store import Store
 from shared.runtime import metrics, transient
 
@@ -20,6 +21,14 @@ log = logging.getLogger(__name__)
 
 #: Most rows one statement writes.
 MAX_BATCH = 5000
+
+#: A flush that failed on these is kept and tried again: PostgreSQL away, or a deadlock with a
+#: command (rare: both lock schedules first, in key order) that rolled the whole flush back.
+RETRIED: tuple[type[BaseException], ...] = (
+    *transient.ERRORS,
+    asyncpg.DeadlockDetectedError,
+    asyncpg.SerializationError,
+)
 
 
 class AuditWriter:
@@ -68,21 +77,9 @@ class AuditWriter:
             rows, checkpoints = self.rows[:MAX_BATCH], self.checkpoints[:MAX_BATCH]
             backfills = self.backfills[:MAX_BATCH]
             try:
-                if rows:
-                    await self.store.write_executions(rows)
-                    # Stats ride along with the rows: one more statement per batch, never one
-                    # per fire (rows are dropped right after, so a batch counts once).
-                    await self.store.write_stats(stats.fold(rows))
-                    await self.store.write_minutes(stats.minutes(rows))
-                    del self.rows[: len(rows)]
-                    metrics.AUDIT_WRITTEN.inc(len(rows))
-                if checkpoints:
-                    await self.store.write_checkpoints(checkpoints)
-                    del self.checkpoints[: len(checkpoints)]
-                if backfills:
-                    await self.store.write_backfill_progress(backfills)
-                    del self.backfills[: len(backfills)]
-            except transient.ERRORS as exc:
+                # One transaction: a flush retried after a failure never counts a fire twice.
+                await self.store.write_audit(rows, checkpoints, backfills)
+            except RETRIED as exc:
                 log.warning(
                     "audit write failed; rows kept",
                     extra={
@@ -93,6 +90,10 @@ class AuditWriter:
                 )
                 self._update()
                 return False
+            del self.rows[: len(rows)]
+            del self.checkpoints[: len(checkpoints)]
+            del self.backfills[: len(backfills)]
+            metrics.AUDIT_WRITTEN.inc(len(rows))
             self._update()
         return True
 

@@ -49,7 +49,8 @@ def executions(rows: Sequence[ExecutionRow]) -> list[ExecutionRow]:
             out.append(last)
             continue
         ordered = sorted([*others, last], key=lambda r: r.attempts)
-        tried = [entry for r in ordered for entry in r.failed_attempts]
+        # A redelivered attempt logs its failure once.
+        tried = list({e.get("attempt"): e for r in ordered for e in r.failed_attempts}.values())
         first = min(ordered, key=lambda r: r.lateness_ms)
         # Lateness is started_ms - due_ms: a due time that keeps the first attempt's.
         out.append(

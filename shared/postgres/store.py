@@ -29,9 +29,8 @@ from shared.contract.rows import (
     PendingRun,
     PendingRunRow,
     ScheduleRow,
-    finished_runs,
 )
-from shared.postgres import columns
+from shared.postgres import audit, columns
 from shared.postgres.sql import QUERIES
 
 #: Above every value of the integer column ``priority``: the rebuild's walk starts below it.
@@ -337,33 +336,6 @@ class Store:
     async def drop_backfill(self, conn: Connection, namespace: str, schedule_id: str) -> None:
         await conn.execute(QUERIES["drop_backfill"], namespace, schedule_id)
 
-    async def write_backfill_progress(self, items: Sequence[BackfillProgress]) -> None:
-        """One statement for the backfills that go on, one for those that ended (the furthest
-        completion of each wins)."""
-        latest: dict[tuple[str, str, int], BackfillProgress] = {}
-        for item in items:
-            key = (item.namespace, item.id, item.generation)
-            if key not in latest or item.remaining < latest[key].remaining:
-                latest[key] = item
-        going = [p for p in latest.values() if p.remaining > 0 and p.next_ms is not None]
-        ended = [p for p in latest.values() if p.remaining <= 0 or p.next_ms is None]
-        if going:
-            await self.pool.execute(
-                QUERIES["advance_backfills"],
-                [p.namespace for p in going],
-                [p.id for p in going],
-                [p.generation for p in going],
-                [p.next_ms for p in going],
-                [p.remaining for p in going],
-            )
-        if ended:
-            await self.pool.execute(
-                QUERIES["end_backfills"],
-                [p.namespace for p in ended],
-                [p.id for p in ended],
-                [p.generation for p in ended],
-            )
-
     async def live_backfills(self, batch: int) -> AsyncIterator[list[LiveBackfill]]:
         """Every backfill of a schedule in rotation or paused, ``batch`` rows at a time."""
         async with self.pool.acquire() as conn, conn.transaction(readonly=True):
@@ -388,86 +360,40 @@ class Store:
 
     # --- the firing path (batched) ------------------------------------------------------------
 
-    async def write_executions(self, rows: Sequence[ExecutionRow]) -> None:
-        """One statement for the whole batch; the latest attempt of an occurrence wins.
-
-        Runs outside the rotation that these rows complete stop being pending in the same
-        transaction (a second statement only when the batch completes any).
-        """
-        batch = columns.executions(rows)
-        done = finished_runs(batch)
-        if not done:
-            await self._write_executions(self.pool, batch)
-            return
+    async def write_audit(
+        self,
+        rows: Sequence[ExecutionRow] = (),
+        checkpoints: Sequence[Checkpoint] = (),
+        backfills: Sequence[BackfillProgress] = (),
+    ) -> None:
+        """An executor's flush in one transaction: execution rows with the stats and minutes
+        they add, rotation checkpoints, backfill progress. All or nothing, so a flush retried
+        after a failure never counts a fire twice."""
         async with self.transaction() as conn:
-            await self._write_executions(conn, batch)
-            await conn.execute(
-                QUERIES["finish_pending_runs"],
-                [r.namespace for r in done],
-                [r.id for r in done],
-                [r.kind for r in done],
-                [r.nominal_ms for r in done],
-            )
+            await audit.write_audit(conn, rows, checkpoints, backfills)
 
-    async def _write_executions(self, target: Any, batch: Sequence[ExecutionRow]) -> None:
-        await target.execute(
-            QUERIES["write_executions"],
-            [r.namespace for r in batch],
-            [r.id for r in batch],
-            [r.nominal_ms for r in batch],
-            [r.is_trigger for r in batch],
-            [r.attempts for r in batch],
-            [r.status for r in batch],
-            [r.http_status for r in batch],
-            [r.error for r in batch],
-            [r.idempotency_key for r in batch],
-            [r.started_ms for r in batch],
-            [r.finished_ms for r in batch],
-            [r.is_backfill for r in batch],
-            [r.lateness_ms for r in batch],
-            [codec.dumps(r.failed_attempts).decode() for r in batch],
-        )
+    async def write_executions(self, rows: Sequence[ExecutionRow]) -> None:
+        """Execution rows alone (with the pending runs they finish), in one transaction."""
+        async with self.transaction() as conn:
+            await audit.write_executions(conn, columns.executions(rows))
 
     async def write_checkpoints(self, rows: Sequence[Checkpoint]) -> None:
-        """One statement for the whole batch; the latest fire of a schedule wins."""
-        batch = columns.checkpoints(rows)
-        await self.pool.execute(
-            QUERIES["write_checkpoints"],
-            [c.namespace for c in batch],
-            [c.id for c in batch],
-            [c.last_fire_ms for c in batch],
-            [c.next_fire_ms for c in batch],
-            [c.fires for c in batch],
-            [c.finished for c in batch],
-            [c.version for c in batch],
-            [c.counted for c in batch],
-        )
-        finished = [c for c in batch if c.finished]
-        if finished:
-            # A schedule whose rotation is over takes its backfill with it (complete.lua).
-            await self.pool.execute(
-                QUERIES["end_backfills_of_schedules"],
-                [c.namespace for c in finished],
-                [c.id for c in finished],
-            )
+        """Rotation checkpoints alone (the sweeper's), in one transaction."""
+        async with self.transaction() as conn:
+            await audit.write_checkpoints(conn, rows)
 
     async def write_stats(self, deltas: Sequence[Any]) -> None:
-        """Per-schedule stats deltas (``shared.policy.stats.Delta``), one statement a batch."""
-        await self.pool.execute(QUERIES["write_stats"], *columns.stats_arguments(deltas))
+        """Per-schedule stats deltas (``shared.policy.stats.Delta``), one statement."""
+        await audit.write_stats(self.pool, deltas)
 
     async def write_minutes(self, entries: Sequence[Any]) -> None:
-        """Per-namespace minutes (``shared.policy.stats.Minute``), one statement a batch."""
-        if not entries:
-            return
-        await self.pool.execute(
-            QUERIES["write_minutes"],
-            [m.namespace for m in entries],
-            [m.minute_ms for m in entries],
-            [m.fires for m in entries],
-            [m.succeeded for m in entries],
-            [m.failed_attempts for m in entries],
-            [m.dead for m in entries],
-        )
+        """Per-namespace minutes (``shared.policy.stats.Minute``), one statement."""
+        await audit.write_minutes(self.pool, entries)
+
+    async def write_backfill_progress(self, items: Sequence[BackfillProgress]) -> None:
+        """Backfill completions alone, in one transaction."""
+        async with self.transaction() as conn:
+            await audit.write_backfill_progress(conn, items)
 
     async def trim_minutes(self, before: dt.datetime) -> None:
         await self.pool.execute(QUERIES["trim_minutes"], before)

@@ -145,7 +145,7 @@ SELECT EXISTS (SELECT 1 FROM executions
 
 -- write_executions --
 -- A batch of execution rows; a later attempt of the same occurrence replaces an earlier one,
--- adding its failed attempts to the log. Lateness is the first attempt's: from the due time
+-- adding its failed attempts to the log (once each, whatever the order rows arrive in). Lateness is the first attempt's: from the due time
 -- to its start (a retry's backoff is not lateness). A backfilled delivery has its own row
 -- beside the regular occurrence's.
 INSERT INTO executions AS e (namespace, id, nominal_at, is_trigger, is_backfill, attempts,
@@ -161,12 +161,25 @@ FROM unnest($1::text[], $2::text[], $3::bigint[], $4::boolean[], $5::int[], $6::
      AS r(namespace, id, nominal_ms, is_trigger, attempts, status, http_status, error,
           idempotency_key, started_ms, finished_ms, is_backfill, lateness_ms, failed_attempts)
 ON CONFLICT (namespace, id, nominal_at, is_trigger, is_backfill) DO UPDATE
-SET attempts = EXCLUDED.attempts, status = EXCLUDED.status,
-    http_status = EXCLUDED.http_status, error = EXCLUDED.error,
-    started_at = EXCLUDED.started_at, finished_at = EXCLUDED.finished_at,
+SET attempts = GREATEST(e.attempts, EXCLUDED.attempts),
+    status = CASE WHEN e.attempts <= EXCLUDED.attempts THEN EXCLUDED.status ELSE e.status END,
+    http_status = CASE WHEN e.attempts <= EXCLUDED.attempts THEN EXCLUDED.http_status
+                       ELSE e.http_status END,
+    error = CASE WHEN e.attempts <= EXCLUDED.attempts THEN EXCLUDED.error ELSE e.error END,
+    started_at = CASE WHEN e.attempts <= EXCLUDED.attempts THEN EXCLUDED.started_at
+                      ELSE e.started_at END,
+    finished_at = CASE WHEN e.attempts <= EXCLUDED.attempts THEN EXCLUDED.finished_at
+                       ELSE e.finished_at END,
+    -- An earlier attempt's row may arrive last (another executor flushed later): it still
+    -- brings the first attempt's lateness and its failure.
     lateness_ms = LEAST(e.lateness_ms, EXCLUDED.lateness_ms),
-    failed_attempts = e.failed_attempts || EXCLUDED.failed_attempts
-WHERE e.attempts <= EXCLUDED.attempts;
+    -- One entry per attempt whatever the order or how often a flush is retried.
+    failed_attempts = (
+        SELECT COALESCE(jsonb_agg(a.entry ORDER BY a.attempt), '[]'::jsonb)
+        FROM (SELECT DISTINCT ON ((entry ->> 'attempt')::int)
+                     (entry ->> 'attempt')::int AS attempt, entry
+              FROM jsonb_array_elements(e.failed_attempts || EXCLUDED.failed_attempts) AS entry
+              ORDER BY (entry ->> 'attempt')::int) AS a);
 
 -- write_checkpoints --
 -- A batch of rotation checkpoints: the latest completed nominal fire of the current rotation
