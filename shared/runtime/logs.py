@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -52,7 +53,21 @@ def _text(value: Any) -> str:
         text = value if isinstance(value, str) else codec.dumps(value).decode()
     except TypeError:
         text = repr(value)
-    return codec.dumps(text).decode() if not text or any(c in text for c in ' "=\n') else text
+    # Quoted (JSON string escapes) when it would split the line or the field, or carries a
+    # control character: a value a tenant sent may hold an escape sequence for the terminal.
+    plain = text and text.isprintable() and not any(c in text for c in ' "=\\')
+    return text if plain else "".join(map(_escaped, json.dumps(text, ensure_ascii=False)))
+
+
+def _escaped(char: str) -> str:
+    """A character JSON leaves as it is but a terminal would not show (format, unassigned)."""
+    if char.isprintable():
+        return char
+    code = ord(char)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 def setup(level: str = "INFO", fmt: str = "json", service: str | None = None) -> None:

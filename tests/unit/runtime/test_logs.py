@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from shared.contract import codec
 from shared.runtime import logs
 
 
@@ -27,3 +30,17 @@ def test_a_text_line_carries_the_fields(capsys: pytest.CaptureFixture[str]) -> N
     (line,) = err.splitlines()
     assert " executor WARNING occurrence dead " in line
     assert line.endswith('schedule=demo/flaky attempt=3 error="HTTP 503 from target"')
+
+
+@given(st.text())
+def test_a_field_value_never_splits_the_line_nor_reaches_the_terminal_raw(value: str) -> None:
+    text = logs._text(value)
+    assert text.isprintable()  # no newline, escape sequence or NUL
+    assert text == value or codec.loads(text.encode()) == value  # quoted values read back
+    if text == value:
+        assert value and not any(c in value for c in ' "=\\')
+
+
+@pytest.mark.parametrize("value", ["\x1b[2J", "a\x00b", "line\nbreak", "tab\there", "\u2028"])
+def test_control_characters_are_quoted(value: str) -> None:
+    assert logs._text(value).startswith('"')
