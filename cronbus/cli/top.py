@@ -35,6 +35,8 @@ OUTCOMES = ("succeeded", "failed", "dead")
 NAMESPACE_ROWS = 5
 #: Shards per line of the backlog grid.
 SHARDS_PER_LINE = 6
+#: Lines the backlog grid takes at most (the screen stays within 80x24 at any shard count).
+BACKLOG_LINES = 3
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -268,14 +270,26 @@ def render(view: View, sources: Sequence[str], interval_s: float) -> Group:
 
 def _backlog(backlog: dict[int, float]) -> Text:
     """Due backlog per shard as a grid, SHARDS_PER_LINE to a line (a table would take a line
-    per shard: 16 shards alone would fill the screen)."""
+    per shard: 16 shards alone would fill the screen). More shards than BACKLOG_LINES hold:
+    the busiest are shown, in shard order, and a last line counts the rest."""
     text = Text("Due backlog per shard (due now or earlier)\n", style="italic")
     if not backlog:
         return text.append("  no dispatcher reports")
-    cells = [f"{shard:>3}:{value:>7,.0f}" for shard, value in backlog.items()]
+    shown = backlog
+    if len(backlog) > SHARDS_PER_LINE * BACKLOG_LINES:
+        room = SHARDS_PER_LINE * (BACKLOG_LINES - 1)
+        busiest = sorted(backlog, key=lambda shard: (-backlog[shard], shard))[:room]
+        shown = {shard: backlog[shard] for shard in sorted(busiest)}
+    cells = [f"{shard:>3}:{value:>7,.0f}" for shard, value in shown.items()]
     lines = [
         "  ".join(cells[i : i + SHARDS_PER_LINE]) for i in range(0, len(cells), SHARDS_PER_LINE)
     ]
+    hidden = [value for shard, value in backlog.items() if shard not in shown]
+    if hidden:
+        lines.append(
+            f"  … {len(hidden)} more shards (busiest shown): {sum(hidden):,.0f} due, "
+            f"at most {max(hidden):,.0f} on one"
+        )
     return text.append("\n".join(lines))
 
 

@@ -62,6 +62,7 @@ async def test_a_failed_attempt_is_logged_once_whatever_the_order_its_rows_arriv
     row = await store.pool.fetchrow(
         "SELECT attempts, status, lateness_ms, failed_attempts FROM executions WHERE id = 'flaky'"
     )
+    assert row is not None
     assert row["attempts"] == 2 and row["status"] == "succeeded"
     assert row["lateness_ms"] == 12  # the first attempt's, not the retry's 1,500 ms
     assert [a["attempt"] for a in row["failed_attempts"]] == [1]

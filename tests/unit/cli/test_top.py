@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from rich.console import Console
 
 from cronbus.cli import top
@@ -109,3 +110,24 @@ def test_the_screen_fits_80_by_24_with_16_shards_and_shows_namespaces() -> None:
     assert "billing" not in screen and "… 2 more" in screen  # the two quietest, counted
     assert " 15:" in screen  # the last shard is on screen
     assert "+Inf" not in screen
+
+
+@pytest.mark.parametrize("shards", [19, 32, 256])
+def test_the_screen_fits_80_by_24_at_any_shard_count(shards: int) -> None:
+    sample = _sample(12, published=20, backlog=4, ok=2, failed=1, fast=1, mid=2)
+    # Shard 7 holds the most: it is on screen whatever the count.
+    sample.add(
+        "\n".join(
+            f'cronbus_due_backlog{{shard="{s}"}} {99_999 if s == 7 else s}' for s in range(shards)
+        )
+    )
+    sample.add(_namespaces(2))
+    view = top.summarize(sample, _wide_sample(10, 1))
+    console = Console(width=80, height=24, record=True, color_system=None)
+    console.print(top.render(view, ["a", "b", "c"], 2))
+    lines = console.export_text().rstrip("\n").splitlines()
+    assert len(lines) <= 24, "\n".join(lines)
+    assert all(len(line) <= 80 for line in lines)
+    screen = "\n".join(lines)
+    assert "  7: 99,999" in screen
+    assert f"… {shards - 12} more shards" in screen
