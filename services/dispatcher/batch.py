@@ -142,8 +142,10 @@ def _apply_one(
     if live and old is not None and old.definition == definition and not resumes:
         # The same definition again (a file applied twice): nothing to change, no new version.
         # Unless it resumes a schedule paused for it (pause_after_failures): that is a change.
+        # No warnings: they say what this command makes the schedule do, and it does nothing
+        # new (a once in the past fired when it was created, or is completed).
         reply = {"ok": True, "created": False, "unchanged": True, "schedule": view(old, now_ms)}
-        return _Applied(old, None, None, _warned(reply, warnings))
+        return _Applied(old, None, None, reply)
     version = (old.version if old is not None else 0) + 1
     plan = dataclasses.replace(item.plan, version=version)
     current = _current_of(old) if live and old is not None else None

@@ -114,6 +114,17 @@ def test_a_once_in_the_past_is_accepted_with_a_warning() -> None:
     assert warning["field"] == "spec.at" and "in the past" in warning["reason"]
     assert reply["schedule"]["next_fires"]  # it still fires, now
 
+    # Applied again after it fired (completed) or before: unchanged, and no false warning.
+    stored = batch.apply_upserts([batch.UpsertItem("ns", schedule, plan)], {}, NOW, NOW)
+    row = stored.rows[("ns", "late")]
+    for state in ("active", "completed"):
+        current = {("ns", "late"): batch._stored(dataclasses.replace(row, state=state), NOW, NOW)}
+        (again,) = batch.apply_upserts(
+            [batch.UpsertItem("ns", schedule, plan)], current, NOW, NOW
+        ).results
+        assert isinstance(again, dict)
+        assert again["unchanged"] is True and "warnings" not in again
+
 
 def test_the_same_definition_resumes_a_schedule_paused_without_its_asking() -> None:
     created = batch.apply_upserts([item("a", 60)], {}, NOW, NOW)
