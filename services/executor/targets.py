@@ -110,6 +110,10 @@ class Webhooks:
         assert isinstance(target, WebhookPlan)
         if self.allowed_hosts is not None and not _host_allowed(target.url, self.allowed_hosts):
             metrics.WEBHOOK_REFUSED.inc()
+            log.warning(
+                "webhook refused: its host is not in CRONBUS_WEBHOOK_ALLOWED_HOSTS",
+                extra={"action": "webhook_refused", "schedule": occ.member, "url": target.url},
+            )
             return Outcome(False, None, HOST_NOT_ALLOWED)
         try:
             headers = self._headers(occ, key, target)
@@ -124,7 +128,9 @@ class Webhooks:
         except AddressNotAllowed as exc:
             metrics.WEBHOOK_REFUSED.inc()
             log.warning(
-                "webhook refused: its host resolves to an address not allowed",
+                "webhook refused: its host resolves to an address not allowed (a private, "
+                "local or reserved one outside CRONBUS_WEBHOOK_ALLOWED_NETWORKS, or one in "
+                "CRONBUS_WEBHOOK_DENIED_NETWORKS)",
                 extra={
                     "action": "webhook_refused",
                     "schedule": occ.member,

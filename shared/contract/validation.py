@@ -314,6 +314,19 @@ def check_schedule(item: models.Schedule, version: int, now_ms: int, policy: Tar
     return plan
 
 
+def _denied_reason(policy: TargetPolicy, host: str) -> str:
+    if policy.addresses.denied_by_operator(ipaddress.ip_address(host)):
+        return (
+            f"host {host} is not allowed: it is in the networks this cronbus never calls "
+            "(the operator's CRONBUS_WEBHOOK_DENIED_NETWORKS)"
+        )
+    return (
+        f"host {host} is not allowed: a private, local or reserved address, which webhooks "
+        "may reach only in the networks the operator lists in "
+        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS (comma-separated CIDRs)"
+    )
+
+
 def _target_problems(
     target: models.WebhookTarget | models.AmqpTarget, policy: TargetPolicy
 ) -> list[FieldError]:
@@ -328,19 +341,13 @@ def _target_problems(
     if isinstance(target, models.WebhookTarget):
         host = (urlsplit(target.url).hostname or "").lower()
         if policy.host_denied(host):
-            problems.append(
-                {
-                    "field": "target.url",
-                    "reason": f"host {host} is not allowed: a private, local or reserved "
-                    "address, which webhooks may reach only in the networks the operator "
-                    "lists in CRONBUS_WEBHOOK_ALLOWED_NETWORKS (comma-separated CIDRs)",
-                }
-            )
+            problems.append({"field": "target.url", "reason": _denied_reason(policy, host)})
         elif not policy.host_allowed(host):
             problems.append(
                 {
                     "field": "target.url",
-                    "reason": f"host {host} is not in the allowed hosts of this cronbus",
+                    "reason": f"host {host} is not in the allowed hosts of this cronbus "
+                    "(the operator's CRONBUS_WEBHOOK_ALLOWED_HOSTS)",
                 }
             )
         return problems

@@ -110,6 +110,11 @@ class AddressPolicy:
                 self._cache[address] = known
         return known
 
+    def denied_by_operator(self, address: Address) -> bool:
+        """True when the operator's denied networks hold it (not merely a restricted one)."""
+        inner = embedded_ipv4(address)
+        return _in_any((address,) if inner is None else (address, inner), self.denied)
+
     def _decide(self, address: Address) -> bool:
         inner = embedded_ipv4(address)
         forms = (address,) if inner is None else (address, inner)

@@ -574,3 +574,32 @@ def test_a_command_of_many_unknown_fields_gets_few_suggestions() -> None:
     suggested = [d for d in refused.value.details if "did you mean" in d["reason"]]
     assert 1 <= len(suggested) <= validation.MAX_SUGGESTIONS
     assert len(refused.value.details) == 2_000
+
+
+@pytest.mark.parametrize(
+    ("url", "policy", "setting"),
+    [
+        ("http://10.1.2.3/h", validation.TargetPolicy(), "CRONBUS_WEBHOOK_ALLOWED_NETWORKS"),
+        (
+            "http://203.0.113.9/h",
+            validation.TargetPolicy(denied_networks=("203.0.113.0/24",)),
+            "CRONBUS_WEBHOOK_DENIED_NETWORKS",
+        ),
+        (
+            "http://evil.example/h",
+            validation.TargetPolicy(allowed_hosts=("*.internal",)),
+            "CRONBUS_WEBHOOK_ALLOWED_HOSTS",
+        ),
+    ],
+)
+def test_a_refused_webhook_names_the_setting_that_refuses_it(
+    url: str, policy: validation.TargetPolicy, setting: str
+) -> None:
+    command = validation.parse_command("upsert", _webhook(url=url))
+    assert isinstance(command, commands.UpsertCommand)
+    with pytest.raises(ValidationFailed) as caught:
+        validation.check_schedule(command.schedule, 1, NOW, policy)
+    (detail,) = caught.value.details
+    assert detail["field"] == "target.url" and setting in detail["reason"]
+    if "DENIED" in setting:
+        assert "private, local or reserved" not in detail["reason"]
