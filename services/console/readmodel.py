@@ -34,7 +34,8 @@ RATE_MINUTES = 5
 
 @dataclass(frozen=True, slots=True)
 class Rates:
-    """A namespace's deliveries: per minute over the last RATE_MINUTES, and the last hour's."""
+    """A namespace's deliveries: per minute over the last RATE_MINUTES whole minutes (the
+    current one left out), and the last hour's."""
 
     fires_per_min: float = 0.0
     failed_per_min: float = 0.0
@@ -260,7 +261,8 @@ class ReadModel:
         counts: dict[str, dict[str, int]] = {}
         for row in await self.pool.fetch(QUERIES["console_namespaces"]):
             counts.setdefault(row["namespace"], {})[row["state"]] = row["schedules"]
-        recent = now - dt.timedelta(minutes=RATE_MINUTES)
+        this_minute = now.replace(second=0, microsecond=0)
+        recent = this_minute - dt.timedelta(minutes=RATE_MINUTES)
         rates = {
             row["namespace"]: Rates(
                 (row["recent_fires"] or 0) / RATE_MINUTES,
@@ -270,7 +272,7 @@ class ReadModel:
                 row["hour_dead"] or 0,
             )
             for row in await self.pool.fetch(
-                QUERIES["console_rates"], now - dt.timedelta(hours=1), recent
+                QUERIES["console_rates"], now - dt.timedelta(hours=1), recent, this_minute
             )
         }
         names = sorted(set(counts) | set(rates))

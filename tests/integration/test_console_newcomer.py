@@ -4,6 +4,7 @@ column, and the words say what they mean."""
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from services.console.readmodel import ReadModel
 from shared.contract.rows import CommandAudit, failed_attempt
 from shared.postgres.store import Store
 from shared.redis.index import Index
@@ -66,3 +68,24 @@ async def test_a_retried_attempt_filters_and_words(
     assert re.findall(r'href="/ns/[^/]+/s/[^"]+">([^<]+)<', only) == ["demo/flaky"]
     bad = await console.get("/failures?namespace=no%20such")
     assert bad.status == 400
+
+
+async def test_the_home_rates_are_whole_minutes_so_they_do_not_read_low(
+    database_url: str, index: Index, store: Store
+) -> None:
+    now = dt.datetime(2026, 11, 25, 12, 5, 30, tzinfo=dt.UTC)
+    this_minute = now.replace(second=0)
+    # 60 fires in each of the five whole minutes before this one; this one, half gone, 30.
+    minutes = [(this_minute - dt.timedelta(minutes=m), 60) for m in range(1, 6)]
+    minutes += [(this_minute, 30), (this_minute - dt.timedelta(minutes=6), 60)]
+    await store.pool.executemany(
+        "INSERT INTO namespace_minutes (namespace, minute, fires) VALUES ('steady', $1, $2)",
+        minutes,
+    )
+    model = await ReadModel.open(database_url, index, 10)
+    try:
+        (summary,) = [s for s in await model.namespaces(now) if s.namespace == "steady"]
+    finally:
+        await model.close()
+    assert summary.rates.fires_per_min == 60
+    assert summary.rates.hour_fires == 60 * 6 + 30

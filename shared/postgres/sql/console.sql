@@ -80,10 +80,11 @@ LIMIT $2;
 
 -- console_rates --
 -- Deliveries per namespace (kept by the executors' audit writes): the last hour's since $1,
--- the recent minutes' since $2.
+-- the recent whole minutes' from $2 up to $3 (the current minute is still filling: counting
+-- it as a whole one read the rates low).
 SELECT namespace,
-       sum(fires) FILTER (WHERE minute >= $2) AS recent_fires,
-       sum(failed_attempts) FILTER (WHERE minute >= $2) AS recent_failed,
+       sum(fires) FILTER (WHERE minute >= $2 AND minute < $3) AS recent_fires,
+       sum(failed_attempts) FILTER (WHERE minute >= $2 AND minute < $3) AS recent_failed,
        sum(fires) AS hour_fires, sum(failed_attempts) AS hour_failed, sum(dead) AS hour_dead
 FROM namespace_minutes
 WHERE minute >= $1
