@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -55,6 +56,7 @@ async def migrate(url: str, *, partitions_ahead_days: int = 3) -> list[str]:
         await conn.execute("SELECT pg_advisory_lock($1)", _MIGRATION_LOCK)
         try:
             applied = await _apply_pending(conn)
+            await build_partition_indexes(conn)
             await ensure_partitions(conn, dt.datetime.now(dt.UTC).date(), partitions_ahead_days)
         finally:
             await conn.execute("SELECT pg_advisory_unlock($1)", _MIGRATION_LOCK)
@@ -83,6 +85,45 @@ async def _apply_pending(conn: Connection) -> list[str]:
         log.info("migration applied", extra={"action": "migration_applied", "migration": name})
         applied.append(f"{number:04d}_{name}")
     return applied
+
+
+async def build_partition_indexes(conn: Connection) -> list[str]:
+    """Finish the indexes a migration declared ``ON ONLY executions``: build each partition's
+    CONCURRENTLY (outside any transaction: writes go on) and attach it; the parent's index is
+    valid once every partition has one. Resumes where an interrupted run stopped."""
+    built = []
+    unfinished = await conn.fetch(
+        """SELECT i.indexrelid AS oid, c.relname AS name, pg_get_indexdef(i.indexrelid) AS def
+           FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+           WHERE i.indrelid = 'executions'::regclass AND NOT i.indisvalid AND c.relkind = 'I'"""
+    )
+    for index in unfinished:
+        missing = await conn.fetch(
+            """SELECT p.relname FROM pg_inherits h JOIN pg_class p ON p.oid = h.inhrelid
+               WHERE h.inhparent = 'executions'::regclass
+                 AND NOT EXISTS (
+                     SELECT 1 FROM pg_inherits ih JOIN pg_index pi ON pi.indexrelid = ih.inhrelid
+                     WHERE ih.inhparent = $1 AND pi.indrelid = p.oid)
+               ORDER BY p.relname""",
+            index["oid"],
+        )
+        for part in missing:
+            name = f"{part['relname'][:40]}_{index['name'][:20]}"
+            statement, found = _ONLY_PARENT.subn(
+                f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {part['relname']} ",
+                index["def"],
+                count=1,
+            )
+            if not found:
+                raise RuntimeError(f"cannot build the index {index['name']} by partition")
+            await conn.execute(statement)
+            await conn.execute(f"ALTER INDEX {index['name']} ATTACH PARTITION {name}")
+            built.append(name)
+    return built
+
+
+#: The head of a partitioned index's definition, as ``pg_get_indexdef`` writes it.
+_ONLY_PARENT = re.compile(r"^CREATE INDEX \S+ ON ONLY \S+ ")
 
 
 def partition_name(day: dt.date) -> str:

@@ -7,8 +7,11 @@
 ALTER TABLE executions ADD COLUMN failed_attempts jsonb NOT NULL DEFAULT '[]'::jsonb;
 
 -- Occurrences with a failed attempt (dead, retrying, or retried and then succeeded), newest
--- first: the failures page walks it, per namespace or across them.
-CREATE INDEX executions_retried ON executions (finished_at DESC, namespace)
+-- first: the failures page walks it, per namespace or across them. Declared on the parent
+-- only (no lock held while rows are read); each existing partition's index is then built
+-- CONCURRENTLY and attached by the migrator (db.build_partition_indexes), so the executors
+-- keep writing while a large table is indexed. New partitions get theirs when attached.
+CREATE INDEX executions_retried ON ONLY executions (finished_at DESC, namespace)
     WHERE status IN ('retrying', 'dead') OR attempts > 1;
 
 -- Deliveries per namespace and minute, added up by the executors' batched audit writes (one

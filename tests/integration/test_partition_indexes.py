@@ -1,0 +1,79 @@
+"""Migration 0008's index on executions is built partition by partition, CONCURRENTLY, so an
+upgrade of a large table does not stop the executors' writes while it reads every row."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from shared.postgres import db, sql
+from tests.conftest import _drop_database
+from tests.support import services
+
+
+@pytest.fixture
+async def empty_database(endpoints: services.Endpoints) -> AsyncIterator[str]:
+    name = services.unique("cronbus_upgrade_")
+    yield services.with_database(endpoints.database_url, name)
+    await _drop_database(endpoints.database_url, name)
+
+
+async def _partitions(conn: asyncpg.Connection) -> set[str]:
+    return {
+        row["relname"]
+        for row in await conn.fetch(
+            """SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+               WHERE i.inhparent = 'executions'::regclass"""
+        )
+    }
+
+
+async def _index_state(conn: asyncpg.Connection) -> tuple[bool, set[str]]:
+    valid = await conn.fetchval(
+        "SELECT indisvalid FROM pg_index WHERE indexrelid = 'executions_retried'::regclass"
+    )
+    covered = {
+        row["relname"]
+        for row in await conn.fetch(
+            """SELECT p.relname FROM pg_inherits ih
+               JOIN pg_index pi ON pi.indexrelid = ih.inhrelid
+               JOIN pg_class p ON p.oid = pi.indrelid
+               WHERE ih.inhparent = 'executions_retried'::regclass"""
+        )
+    }
+    return valid, covered
+
+
+async def test_an_upgrade_indexes_every_existing_partition_and_new_ones(
+    empty_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    every = sql.migrations()
+    before = [m for m in every if m[0] < 8]
+    monkeypatch.setattr(sql, "migrations", lambda: before)
+    await db.migrate(empty_database, partitions_ahead_days=2)
+    monkeypatch.setattr(sql, "migrations", lambda: every)
+
+    conn = await asyncpg.connect(empty_database)
+    try:
+        await conn.execute(
+            """INSERT INTO executions (namespace, id, nominal_at, is_trigger, attempts, status,
+                                      idempotency_key, started_at, finished_at, lateness_ms)
+               SELECT 'ns', 's' || n, now() - n * interval '1 minute', false, 2, 'succeeded',
+                      'k' || n, now(), now(), 5
+               FROM generate_series(1, 500) AS n"""
+        )
+        assert await db.migrate(empty_database) == ["0008_attempts_and_rates"]
+        valid, covered = await _index_state(conn)
+        assert valid and covered == await _partitions(conn)
+        assert len(covered) >= 5  # yesterday's to today + 2 days', and the default partition
+
+        # A partition created later gets its index when it is attached.
+        later = dt.datetime.now(dt.UTC).date() + dt.timedelta(days=5)
+        await db.ensure_partitions(conn, later, 0, 0)
+        valid, covered = await _index_state(conn)
+        assert valid and db.partition_name(later) in covered
+    finally:
+        await conn.close()
