@@ -4,10 +4,12 @@ arrives last still brings the first attempt's lateness (issue 27's review)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncpg
 import pytest
 
-from shared.contract.rows import BackfillProgress, failed_attempt
+from shared.contract.rows import BackfillProgress, Checkpoint, failed_attempt
 from shared.postgres.store import Store
 from tests.integration.test_console import _execution, _row
 
@@ -67,3 +69,25 @@ async def test_a_failed_attempt_is_logged_once_whatever_the_order_its_rows_arriv
     assert row["lateness_ms"] == 12  # the first attempt's, not the retry's 1,500 ms
     assert [a["attempt"] for a in row["failed_attempts"]] == [1]
     assert row["failed_attempts"][0]["http_status"] == 503
+
+
+async def test_uncounted_fires_of_an_older_rotation_are_not_added_to_a_restarted_one(
+    store: Store,
+) -> None:
+    first = dataclasses.replace(_row("demo", "tick"), rotation_version=1)
+    restarted = dataclasses.replace(first, version=2, rotation_version=2, fires=0)
+    async with store.transaction() as conn:
+        await store.put_schedules(conn, [first])
+    now = first.next_fire_ms or 0
+    await store.write_audit(
+        (), [Checkpoint("demo", "tick", now, now + 60_000, 1, version=1, counted=False)], ()
+    )
+    async with store.transaction() as conn:
+        await store.put_schedules(conn, [restarted])
+    # A late flush of the old rotation's fire (another executor), then the new rotation's.
+    late = Checkpoint("demo", "tick", now + 1, now + 60_000, 1, version=1, counted=False)
+    await store.write_audit((), [late], ())
+    assert await store.pool.fetchval("SELECT fires FROM schedules WHERE id = 'tick'") == 0
+    new = Checkpoint("demo", "tick", now + 2, now + 60_000, 1, version=2, counted=False)
+    await store.write_audit((), [new], ())
+    assert await store.pool.fetchval("SELECT fires FROM schedules WHERE id = 'tick'") == 1
