@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from cronbus.cli.sink import Sink
@@ -26,6 +27,8 @@ def columns_of(header: str, line: str, names: list[str]) -> list[str]:
     return [line[start:end].strip() for start, end in zip(starts, ends, strict=True)]
 
 
+# A dozen CLI processes, each an interpreter start: slow on a busy machine, not stuck.
+@pytest.mark.timeout(300)
 async def test_list_get_and_executions_print_tables_and_the_reply(
     stack: Stack, sink: Sink, stack_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -92,7 +92,7 @@ async def test_one_executor_per_core_with_a_single_command(
             ServiceProcess("executor", parent, port, Path(os.devnull)) for port in (base, base + 1)
         ]
         for child in children:
-            await child.wait_ready(30)
+            await child.wait_ready(90)  # two interpreters starting at once on a busy machine
         parent.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(parent.wait, 30) == 0
         for child in children:
