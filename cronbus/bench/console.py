@@ -26,7 +26,7 @@ from services.console.web import Console
 from shared.contract import keys, models, validation
 from shared.postgres import db
 from shared.postgres.db import split_database_url
-from shared.redis import index
+from shared.redis import connection, index
 from shared.rules import compact
 from shared.runtime.config import ConsoleSettings
 
@@ -155,7 +155,7 @@ def _pages(namespace: str) -> dict[str, str]:
 
 async def _measure(url: str, repeat: int) -> dict[str, dict[str, float]]:
     settings = ConsoleSettings(database_url=url)
-    redis = index.connect(settings)
+    redis = connection.connect(settings)
     idx = index.Index(redis, keys.RedisKeys(settings.redis_prefix + "-console-bench"), 16)
     model = await ReadModel.open(url, idx, settings.console_page_size)
     runner = web.AppRunner(Console(settings, model).app(), access_log=None)

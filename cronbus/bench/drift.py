@@ -20,7 +20,7 @@ from cronbus.bench.harness import Kinds
 from services.sweeper.sweeper import Sweeper
 from shared.contract import keys
 from shared.postgres.store import Store
-from shared.redis import index
+from shared.redis import connection, index
 from shared.runtime.config import CommonSettings, SweeperSettings
 
 
@@ -33,7 +33,7 @@ async def _drift(args: argparse.Namespace) -> dict[str, Any]:
         settings = SweeperSettings(
             redis_url=found.redis_url, redis_prefix=found.prefix, database_url=found.database_url
         )
-        client = index.connect(settings)
+        client = connection.connect(settings)
         idx = index.Index(client, keys.RedisKeys(found.prefix), settings.shards)
         await idx.load_scripts()
         store = await Store.open(found.database_url, min_size=1, max_size=2)

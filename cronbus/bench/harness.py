@@ -38,7 +38,7 @@ from shared.contract import codec, keys, timefmt, validation
 from shared.policy import netpolicy
 from shared.postgres import bulk, db
 from shared.postgres.store import Store
-from shared.redis import index
+from shared.redis import connection, index
 from shared.runtime.config import CommonSettings
 
 NAMESPACE = "bench"
@@ -65,6 +65,19 @@ class Corner:
             "CRONBUS_AMQP_URL": self.amqp_url,
             "CRONBUS_DATABASE_URL": self.database_url,
         }
+
+    def redis_settings(self) -> CommonSettings:
+        """The corner's Redis (Sentinel, cluster and CA settings from the environment)."""
+        return CommonSettings(
+            **{  # type: ignore[arg-type]
+                "redis_url": self.redis_url,
+                "redis_prefix": self.prefix,
+            }
+        )
+
+    def redis_node(self) -> aioredis.Redis:
+        """A plain client of the corner's Redis (the primary, with Sentinel)."""
+        return connection.connect_node(self.redis_settings())
 
 
 def _with_path(url: str, path: str) -> str:
@@ -115,7 +128,7 @@ async def _drop_corner(
         conn = await asyncpg.connect(db.split_database_url(settings.database_url)[0])
         await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
         await conn.close()
-    client = aioredis.Redis.from_url(found.redis_url)
+    client = found.redis_node()
     with contextlib.suppress(Exception):
         batch = []
         async for key in client.scan_iter(match=f"{found.prefix}:*", count=1000):
@@ -222,8 +235,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-async def redis_used_memory(url: str) -> int:
-    client = aioredis.Redis.from_url(url)
+async def redis_used_memory(found: Corner) -> int:
+    client = found.redis_node()
     try:
         info = await client.info("memory")
         return int(info["used_memory"])
@@ -254,13 +267,8 @@ def herd_lines(
 async def seed(
     found: Corner, lines: Iterator[bytes], namespace: str = NAMESPACE
 ) -> tuple[int, float]:
-    settings = CommonSettings(
-        **{  # type: ignore[arg-type]
-            "redis_url": found.redis_url,
-            "redis_prefix": found.prefix,
-        }
-    )
-    client = index.connect(settings)
+    settings = found.redis_settings()
+    client = connection.connect(settings)
     idx = index.Index(client, keys.RedisKeys(found.prefix), settings.shards)
     await idx.load_scripts()
     store = await Store.open(found.database_url, min_size=1, max_size=2)

@@ -96,14 +96,14 @@ async def _measured(
     args: argparse.Namespace, found: Corner, run: Run, sink: AnySink
 ) -> dict[str, Any]:
     n = args.n
-    before = await harness.redis_used_memory(found.redis_url)
+    before = await harness.redis_used_memory(found)
     lead_s = args.lead_s if args.lead_s is not None else 5 + n / 8_000
     due_ms = (int((time.time() + lead_s) * 1000) // 1000 + 1) * 1000
     rate_limit = UNREACHED_RATE_LIMIT if args.features else None
     imported, import_s = await harness.seed(
         found, harness.herd_lines(n, due_ms, f"{sink.url}/herd", rate_limit)
     )
-    bytes_per = (await harness.redis_used_memory(found.redis_url) - before) / max(imported, 1)
+    bytes_per = (await harness.redis_used_memory(found) - before) / max(imported, 1)
     overlap = harness.check_import(args, int(time.time() * 1000), due_ms)
     meter = harness.meter_of(run, sink)
     await asyncio.sleep(max(due_ms / 1000 - time.time(), 0))

@@ -20,8 +20,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from cronbus.bench import harness
 from cronbus.bench.harness import Corner, Kinds, Run
 from cronbus.cli import procs
@@ -38,7 +36,7 @@ REBUILD_FIRING_MARGIN_MS = 1000
 
 async def _forget_index(found: Corner) -> None:
     """What Redis losing its data looks like to cronbus: every key of the corner gone."""
-    client = aioredis.Redis.from_url(found.redis_url)
+    client = found.redis_node()
     try:
         doomed = [key async for key in client.scan_iter(match=f"{found.prefix}:*", count=5000)]
         for start in range(0, len(doomed), 5000):
@@ -89,10 +87,10 @@ async def _rebuild_in(args: argparse.Namespace, found: Corner, sink: Sink) -> di
             await _wait_for_rebuild(first.processes[0], args.timeout_s)
         finally:
             procs.stop_all(first.processes)
-    before = await harness.redis_used_memory(found.redis_url)
+    before = await harness.redis_used_memory(found)
     lines = harness.herd_lines(args.n, int(time.time() * 1000) + 86_400_000, "http://127.0.0.1:9/x")
     imported, import_s = await harness.seed(found, lines)
-    bytes_per = (await harness.redis_used_memory(found.redis_url) - before) / max(imported, 1)
+    bytes_per = (await harness.redis_used_memory(found) - before) / max(imported, 1)
     with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
         run = Run(found, Path(logs))
         if args.firing:
@@ -183,7 +181,7 @@ async def _wait_for_rebuild(sweeper: ServiceProcess, timeout_s: float) -> float:
 
 
 async def _count_index(found: Corner) -> int:
-    client = aioredis.Redis.from_url(found.redis_url)
+    client = found.redis_node()
     try:
         counts = [
             await client.hlen(keys.RedisKeys(found.prefix).sched(shard))

@@ -48,13 +48,13 @@ async def _measured(
 ) -> dict[str, Any]:
     n = args.schedules
     every_ms = round(n * 1000 / args.rate)
-    before = await harness.redis_used_memory(found.redis_url)
+    before = await harness.redis_used_memory(found)
     lead_s = args.lead_s if args.lead_s is not None else 5 + n / 8_000
     first_ms = (int((time.time() + lead_s) * 1000) // 1000 + 1) * 1000
     imported, import_s = await harness.seed(
         found, steady_lines(n, every_ms, first_ms, f"{sink.url}/steady")
     )
-    bytes_per = (await harness.redis_used_memory(found.redis_url) - before) / max(imported, 1)
+    bytes_per = (await harness.redis_used_memory(found) - before) / max(imported, 1)
     start_ms = first_ms + args.warmup_s * 1000
     end_ms = start_ms + args.duration_s * 1000
     overlap = harness.check_import(args, int(time.time() * 1000), start_ms)

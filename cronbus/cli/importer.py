@@ -14,7 +14,7 @@ from shared.contract import keys
 from shared.contract.errors import ValidationFailed
 from shared.postgres import bulk
 from shared.postgres.store import Store
-from shared.redis import index
+from shared.redis import connection, index
 from shared.runtime import transient
 from shared.runtime.config import DispatcherSettings
 
@@ -34,7 +34,7 @@ async def import_file(
     path: str, namespace: str, batch: int, settings: DispatcherSettings | None = None
 ) -> bulk.ImportResult:
     settings = settings or DispatcherSettings()
-    redis = index.connect(settings)
+    redis = connection.connect(settings)
     try:
         idx = index.Index(redis, keys.RedisKeys(settings.redis_prefix), settings.shards)
         await idx.load_scripts()

@@ -14,7 +14,7 @@ from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.intake import Intake
 from services.dispatcher.leases import ShardLeases
 from shared.rabbitmq import amqp
-from shared.redis import index
+from shared.redis import connection
 from shared.runtime import metrics, spans, transient
 from shared.runtime.config import DispatcherSettings
 from shared.runtime.service import ServiceBase, Tasks, finish_budget_s
@@ -49,9 +49,7 @@ class DispatcherService(ServiceBase):
     async def run(self, stopping: asyncio.Event) -> None:
         tasks = self.tasks = Tasks(stopping)
         # Wake-ups travel over pub/sub on a plain connection (a cluster node relays them).
-        pubsub_client = aioredis.Redis.from_url(
-            self.settings.redis_url, **index.tls_options(self.settings)
-        )
+        pubsub_client = connection.connect_node(self.settings)
         try:
             await self.connections.open(stopping, tasks)
             await self._serve(stopping, tasks, pubsub_client)

@@ -10,10 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
-import hiredis
-import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from shared.contract import keys
@@ -27,45 +24,7 @@ from shared.contract.entries import (
     split_tail,
 )
 from shared.redis import lua
-from shared.runtime.config import CommonSettings
-
-RedisClient = aioredis.Redis | RedisCluster
-
-
-class FastConnection(aioredis.Connection):
-    """Packs commands with hiredis (C) instead of redis-py's Python packer: the scripts take
-    thousands of arguments per call, and packing them was a tenth of a bulk import's time."""
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        first = args[0]
-        if isinstance(first, str) and " " in first:
-            args = (*first.split(), *args[1:])  # "SCRIPT LOAD" goes as two words
-        return [hiredis.pack_command(args)]
-
-
-def tls_options(settings: CommonSettings) -> dict[str, Any]:
-    """For a rediss:// URL (its scheme picks redis-py's SSL connection): the certificate and
-    the hostname are verified, against CRONBUS_REDIS_CA_FILE when one is given."""
-    if urlsplit(settings.redis_url).scheme != "rediss":
-        return {}
-    options: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
-    if settings.redis_ca_file:
-        options["ssl_ca_certs"] = settings.redis_ca_file
-    return options
-
-
-def connect(settings: CommonSettings) -> RedisClient:
-    """A client for the configured Redis (standalone or cluster); it reconnects by itself."""
-    options: dict[str, Any] = {
-        "socket_timeout": 10,
-        "socket_connect_timeout": 5,
-        "health_check_interval": 15,
-        "connection_class": FastConnection,
-    }
-    options.update(tls_options(settings))
-    if settings.redis_cluster:
-        return RedisCluster.from_url(settings.redis_url, **options)
-    return aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)
+from shared.redis.connection import RedisClient
 
 
 def _opt(value: int | None) -> str | int:

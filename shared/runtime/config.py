@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.contract.validation import TargetPolicy
@@ -24,10 +24,17 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CRONBUS_", extra="ignore", frozen=True)
 
-    #: Redis (any node of a cluster when CRONBUS_REDIS_CLUSTER is set); rediss:// for TLS.
+    #: Redis (any node of a cluster when CRONBUS_REDIS_CLUSTER is set); rediss:// for TLS. With
+    #: Sentinel, only its database number, credentials and scheme (TLS) are used.
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Talk to a Redis Cluster: each shard's keys share a hash tag, so scripts touch one slot.
     redis_cluster: bool = False
+    #: Redis Sentinels, comma-separated host:port ([v6]:port for IPv6): every service asks them
+    #: for the primary and follows its failovers. Needs CRONBUS_REDIS_SENTINEL_MASTER; empty:
+    #: no Sentinel (CRONBUS_REDIS_URL names the server).
+    redis_sentinels: str = ""
+    #: The name the Sentinels monitor the primary under (sentinel monitor NAME ...).
+    redis_sentinel_master: str = Field(default="", pattern=r"^[A-Za-z0-9_.:-]{0,128}$")
     #: Prefix of every Redis key (side-by-side installs and tests use their own).
     redis_prefix: str = Field(default="cronbus", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     #: CA bundle that signed the Redis server's certificate (rediss:// only); empty: the
@@ -73,6 +80,49 @@ class CommonSettings(BaseSettings):
             if port and not (port.isdigit() and 0 < int(port) < 65536):
                 raise ValueError("the port must be a number from 1 to 65535")
         return value
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinels_parse(cls, value: str) -> str:
+        host_ports(value)
+        return value
+
+    @model_validator(mode="after")
+    def _sentinel_pair(self) -> CommonSettings:
+        # A model-level error names no single field: its message names the settings.
+        if bool(self.redis_sentinels.strip()) != bool(self.redis_sentinel_master):
+            raise ValueError(
+                "CRONBUS_REDIS_SENTINELS and CRONBUS_REDIS_SENTINEL_MASTER go together: "
+                "set both (Sentinel) or neither"
+            )
+        if self.redis_sentinel_master and self.redis_cluster:
+            raise ValueError(
+                "CRONBUS_REDIS_SENTINELS and CRONBUS_REDIS_CLUSTER exclude each other: a Redis "
+                "Cluster fails over by itself"
+            )
+        return self
+
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        """The Sentinels' (host, port), in the order given; empty without Sentinel."""
+        return host_ports(self.redis_sentinels)
+
+
+def host_ports(value: str) -> list[tuple[str, int]]:
+    """``host:port,host:port`` (``[v6]:port`` for IPv6) as pairs; ValueError naming the entry
+    and what is wrong with it."""
+    found = []
+    for entry in _csv(value):
+        host, colon, port = entry.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if not colon or not host or any(c in host for c in "/@[] "):
+            raise ValueError(f"{entry!r} is not host:port")
+        if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"{entry!r}: the port must be a number from 1 to 65535")
+        if ":" in host and not entry.startswith("["):
+            raise ValueError(f"{entry!r}: write an IPv6 address in brackets, [{host}]:{port}")
+        found.append((host, int(port)))
+    return found
 
 
 class WebhookPolicySettings(CommonSettings):

@@ -31,7 +31,7 @@ from shared.contract import codec, errors, keys
 from shared.postgres import db
 from shared.postgres.store import Store
 from shared.rabbitmq import amqp
-from shared.redis import index
+from shared.redis import connection, index
 from shared.runtime import logs, metrics, stopsignal, transient
 from shared.runtime.config import CommonSettings
 
@@ -334,9 +334,16 @@ def load_settings(name: str, cls: type[SettingsT]) -> SettingsT:
         return cls()
     except pydantic.ValidationError as exc:
         for error in exc.errors():
-            variable = "CRONBUS_" + "_".join(str(part) for part in error["loc"]).upper()
-            print(f"cronbus {name}: configuration: {variable}: {error['msg']}", file=sys.stderr)
+            print(f"cronbus {name}: configuration: {_config_error(error)}", file=sys.stderr)
         sys.exit(2)
+
+
+def _config_error(error: Any) -> str:
+    """``CRONBUS_X: reason``; an error of several settings together names them itself."""
+    if not error["loc"]:
+        return str(error["msg"]).removeprefix("Value error, ")
+    variable = "CRONBUS_" + "_".join(str(part) for part in error["loc"]).upper()
+    return f"{variable}: {error['msg']}"
 
 
 def main(name: str, service: Service, settings: CommonSettings) -> None:
@@ -366,7 +373,7 @@ class Connections:
     def __init__(self, settings: CommonSettings, name: str, *, amqp: bool) -> None:
         self.settings = settings
         self.name = name
-        self.redis = index.connect(settings)
+        self.redis = connection.connect(settings)
         self.index = index.Index(self.redis, keys.RedisKeys(settings.redis_prefix), settings.shards)
         self._store: Store | None = None
         self._amqp: AbstractRobustConnection | None = None

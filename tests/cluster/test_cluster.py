@@ -14,7 +14,7 @@ from services.sweeper.sweeper import Sweeper
 from shared.contract import keys
 from shared.contract.entries import Completion, Upsert
 from shared.policy import netpolicy
-from shared.redis import index
+from shared.redis import connection
 from shared.redis.index import Index
 from shared.rules import compact
 from shared.rules.plan import IntervalRule, Plan, WebhookPlan
@@ -40,7 +40,7 @@ async def cluster_index(redis_cluster: cluster.Cluster) -> AsyncIterator[Index]:
         redis_prefix=services.unique("cl"),
         shards=16,
     )
-    client = index.connect(settings)
+    client = connection.connect(settings)
     found = Index(client, keys.RedisKeys(settings.redis_prefix), settings.shards)
     await found.load_scripts()
     yield found

@@ -20,7 +20,7 @@ import redis.exceptions
 
 from shared.contract import keys
 from shared.postgres.store import Store
-from shared.redis import index
+from shared.redis import connection, index
 from shared.runtime.config import CommonSettings
 from tests.support import private, services, tls
 from tests.support.stack import Stack
@@ -68,7 +68,7 @@ async def test_the_services_redis_client_speaks_tls_and_verifies_the_server(
     settings = CommonSettings(
         redis_url=f"rediss://localhost:{port}/0", redis_ca_file=str(certificates.ca)
     )
-    client = index.connect(settings)
+    client = connection.connect(settings)
     try:
         assert await client.ping()
         # The scripts load and run over TLS as over plain TCP.
@@ -82,7 +82,7 @@ async def test_the_services_redis_client_speaks_tls_and_verifies_the_server(
         (f"rediss://localhost:{port}/0", ""),
         (f"rediss://127.0.0.1:{port}/0", str(certificates.ca)),
     ):
-        stranger = index.connect(CommonSettings(redis_url=url, redis_ca_file=ca))
+        stranger = connection.connect(CommonSettings(redis_url=url, redis_ca_file=ca))
         try:
             with pytest.raises(redis.exceptions.ConnectionError, match="certificate verify failed"):
                 await stranger.ping()

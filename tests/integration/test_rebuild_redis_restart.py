@@ -14,7 +14,7 @@ import pytest
 from services.sweeper.sweeper import Sweeper
 from shared.contract import keys
 from shared.postgres.store import Store
-from shared.redis import index as index_module
+from shared.redis import connection
 from shared.redis.index import Index
 from shared.runtime.config import SweeperSettings
 from tests.conftest import SHARDS
@@ -49,7 +49,7 @@ async def test_a_rebuild_across_a_redis_restart_from_a_snapshot_is_followed_by_a
         database_url=database_url,
         rebuild_batch=1,
     )
-    client = index_module.connect(settings)
+    client = connection.connect(settings)
     index = Index(client, keys.RedisKeys("restart"), SHARDS)
     await index.load_scripts()
     try:

@@ -1,0 +1,143 @@
+"""Every Redis client cronbus makes, from the settings: a standalone server, a Redis Cluster,
+or the primary that Redis Sentinel names.
+
+With Sentinel (CRONBUS_REDIS_SENTINELS and CRONBUS_REDIS_SENTINEL_MASTER), each new
+connection asks the Sentinels where the primary is; CRONBUS_REDIS_URL gives the database
+number, the credentials and TLS (its host and port are not used). During a failover the
+connections fail with ``redis.exceptions.ConnectionError`` (``MasterNotFoundError`` while no
+primary is known, "the previous master is now a slave" from a demoted one): the same errors as
+a Redis outage, which every service waits out (``shared.runtime.transient``) and then finds the
+new primary. Scripts the new primary does not know are loaded again on NOSCRIPT
+(``shared.redis.lua``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+import hiredis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import SSLConnection, parse_url
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+
+from shared.runtime.config import CommonSettings
+
+RedisClient = aioredis.Redis | RedisCluster
+
+#: A Sentinel that does not answer is skipped for the next one after this long.
+SENTINEL_TIMEOUT_S = 1.0
+
+
+class _HiredisPacking:
+    """Packs commands with hiredis (C) instead of redis-py's Python packer: the scripts take
+    thousands of arguments per call, and packing them was a tenth of a bulk import's time."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        first = args[0]
+        if isinstance(first, str) and " " in first:
+            args = (*first.split(), *args[1:])  # "SCRIPT LOAD" goes as two words
+        return [hiredis.pack_command(args)]
+
+
+class FastConnection(_HiredisPacking, aioredis.Connection):
+    """A plain connection with hiredis packing."""
+
+
+class FastSentinelConnection(_HiredisPacking, SentinelManagedConnection):
+    """A connection to the primary Sentinel names, with hiredis packing."""
+
+
+class SentinelSSLConnection(SentinelManagedConnection, SSLConnection):
+    """A TLS connection to the primary Sentinel names."""
+
+
+class SentinelRedis(aioredis.Redis):
+    """The primary's client; closing it closes the connections to the Sentinels as well."""
+
+    sentinels: Sentinel | None = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        if self.sentinels is not None:
+            await self.sentinels.aclose()
+
+
+def tls_options(settings: CommonSettings) -> dict[str, Any]:
+    """For a rediss:// URL (its scheme picks redis-py's SSL connection): the certificate and
+    the hostname are verified, against CRONBUS_REDIS_CA_FILE when one is given."""
+    if urlsplit(settings.redis_url).scheme != "rediss":
+        return {}
+    options: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
+    if settings.redis_ca_file:
+        options["ssl_ca_certs"] = settings.redis_ca_file
+    return options
+
+
+def _client_options() -> dict[str, Any]:
+    return {"socket_timeout": 10, "socket_connect_timeout": 5, "health_check_interval": 15}
+
+
+def connect(settings: CommonSettings) -> RedisClient:
+    """The index's client (standalone, cluster, or Sentinel's primary); it reconnects by
+    itself."""
+    options = {**_client_options(), **tls_options(settings)}
+    if settings.redis_sentinel_master:
+        return _sentinel_primary(settings, options, fast=True)
+    options["connection_class"] = FastConnection  # the URL's scheme wins (rediss: TLS)
+    if settings.redis_cluster:
+        return RedisCluster.from_url(settings.redis_url, **options)
+    return aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)
+
+
+def connect_node(settings: CommonSettings) -> aioredis.Redis:
+    """A plain client of one server: the primary Sentinel names, else the URL's node (of a
+    cluster too). For pub/sub (a cluster node relays it) and the tools' own reads."""
+    options = {**_client_options(), **tls_options(settings)}
+    if settings.redis_sentinel_master:
+        return _sentinel_primary(settings, options, fast=False)
+    return aioredis.Redis.from_url(settings.redis_url, **options)
+
+
+def sentinel_url_options(url: str) -> dict[str, Any]:
+    """What CRONBUS_REDIS_URL gives a Sentinel-found primary: database, credentials, query
+    options, TLS (``ssl``); its host and port are Sentinel's to tell."""
+    options: dict[str, Any] = dict(parse_url(url))
+    for name in ("host", "port", "connection_class", "path"):
+        options.pop(name, None)
+    options["ssl"] = urlsplit(url).scheme == "rediss"
+    return options
+
+
+def _sentinel_primary(
+    settings: CommonSettings, options: dict[str, Any], *, fast: bool
+) -> SentinelRedis:
+    url_options = sentinel_url_options(settings.redis_url)
+    tls = url_options.pop("ssl")
+    # The Sentinels are reached as the servers are (TLS or not), without the servers'
+    # credentials: a Sentinel has its own.
+    sentinel_options: dict[str, Any] = {
+        "socket_timeout": SENTINEL_TIMEOUT_S,
+        "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+        **tls_options(settings),
+    }
+    if tls:
+        sentinel_options["ssl"] = True
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        settings.sentinel_addresses(), sentinel_kwargs=sentinel_options
+    )
+    if tls:
+        connection_class: type[SentinelManagedConnection] = SentinelSSLConnection
+    else:
+        connection_class = FastSentinelConnection if fast else SentinelManagedConnection
+    client: SentinelRedis = sentinel.master_for(
+        settings.redis_sentinel_master,
+        redis_class=SentinelRedis,
+        connection_class=connection_class,
+        retry_on_timeout=True,
+        **url_options,
+        **options,
+    )
+    client.sentinels = sentinel
+    return client
