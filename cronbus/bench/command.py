@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from cronbus.bench import console, drift, fairness, herd, intake, rebuild, steady
+from cronbus.bench import console, drift, fairness, held, herd, intake, rebuild, steady
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bench", help="measure cronbus on this machine (herd, steady, rebuild)")
+    p = sub.add_parser("bench", help="measure cronbus on this machine (herd, steady, held, ...)")
     kinds = p.add_subparsers(dest="bench", required=True, metavar="KIND")
     # ``cronbus bench --help`` lists the verbs in the order they are added.
     herd_kind = herd.add_kind(kinds)
@@ -26,10 +26,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     console.add_kind(kinds)
     intake_kind = intake.add_kind(kinds)
     drift_kind = drift.add_kind(kinds)
+    held_kind = held.add_kind(kinds)
     for kind in (herd_kind, steady_kind):
         _add_sink_options(kind)
     _add_json(drift_kind)
-    for kind in (herd_kind, fairness_kind, steady_kind, rebuild_kind, intake_kind):
+    for kind in (herd_kind, fairness_kind, steady_kind, rebuild_kind, intake_kind, held_kind):
         _add_json(kind)
         _add_service_options(kind)
 

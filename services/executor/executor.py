@@ -27,6 +27,7 @@ from services.executor.audit import AuditWriter
 from services.executor.autopause import AutoPause
 from services.executor.events import Events
 from services.executor.fairslots import FairSlots
+from services.executor.parking import Parking
 from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
 from shared.contract import delivery
@@ -138,8 +139,20 @@ class Executor:
         #: Delivery slots, handed to the namespaces with waiters in turn.
         self.fair_slots = FairSlots(settings.concurrency)
         self.autopause = AutoPause(index, audit.store, events, stopping, settings.complete_flush_ms)
+        self.parking = Parking(
+            index,
+            stopping,
+            settings.breaker_failures,
+            limits.MAX_RESERVE_MS,
+            settings.complete_flush_ms,
+        )
         self.limits = limits.Limits(
-            index, settings, stopping, self.now_ms, settings.complete_flush_ms
+            index,
+            settings,
+            stopping,
+            self.now_ms,
+            settings.complete_flush_ms,
+            on_close=self.parking.nudge,
         )
         self.lease_ms = round(settings.lease_s * 1000)
         #: Occurrences begun (lease held) and not settled yet: handed back if cut off.
@@ -356,7 +369,7 @@ class Executor:
             if chosen == occ.nominal_ms:
                 admission = await self.limits.admit(occ)
                 if admission.code == limits.HELD:
-                    await self._defer(occ, admission.ms)
+                    await self._park(occ, admission)
                     return
                 if admission.code == limits.WAIT:
                     # A reserved slot at most MAX_RESERVE_MS ahead: bounded, so waited out here.
@@ -379,12 +392,13 @@ class Executor:
         if self.spans is not None:
             self._record_spans(occ, key, outcome, started, finished)
 
-    async def _defer(self, occ: Occurrence, until_ms: int) -> None:
-        """Held by its rate key: back into due at the hold's end, same attempt (defer.lua)."""
-        code = await self.limits.defer(occ, until_ms)
+    async def _park(self, occ: Occurrence, admission: limits.Admission) -> None:
+        """Held by a rate key: parked behind it, same attempt, until its gate can let it
+        through (``services.executor.parking``)."""
+        code = await self.parking.park(occ, admission.held_by, admission.ms, admission.held_limit)
         self._holding.pop((occ.shard, occ.member), None)
         if not code:
-            metrics.STALE.labels("defer").inc()
+            metrics.STALE.labels("park").inc()
 
     def _log_misfire(self, occ: Occurrence, chosen: int | None) -> None:
         metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
@@ -529,3 +543,4 @@ class Executor:
             await batcher.drain()
         await self.autopause.drain()
         await self.limits.drain()
+        await self.parking.drain()

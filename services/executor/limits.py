@@ -3,10 +3,11 @@
 Before a delivery, the executor asks ``gate.lua`` (one call per batch) whether the rate key
 admits it: go now, go after a reserved wait (at most ``MAX_RESERVE_MS``, waited out in its
 delivery slot), or held until some instant. A held
-occurrence is not slept on: ``defer.lua`` puts it back into due at the hold's end with its
-attempt unchanged, so it burns no attempt and holds no lease, no concurrency slot and no
-message meanwhile. After the attempt, ``report.lua`` (one call per batch) feeds the breaker and
-records a Retry-After hold.
+occurrence is not slept on, nor re-polled: it is parked once behind the key that held it
+(``services.executor.parking``) with its attempt unchanged, so it burns no attempt and holds
+no lease, no concurrency slot and no message meanwhile, and is released when the gate can let
+it through. After the attempt, ``report.lua`` (one call per batch) feeds the breaker and
+records a Retry-After hold; a breaker it closes releases what is parked behind it at once.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import dataclasses
 import logging
 import math
 import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from services.executor.settle import Outcome
 from shared.contract.delivery import Occurrence
 from shared.policy import limits
+from shared.policy.holds import format_limit
 from shared.redis.batcher import Batcher
 from shared.redis.index import Index
 from shared.runtime import metrics, quotas, transient
@@ -57,6 +58,10 @@ class Admission:
     probe: bool
     #: The breaker counts failures: a success must be reported to close it.
     dirty: bool
+    #: HELD: the key that held it (the target's, or the namespace's quota bucket) and that
+    #: key's limit (``shared.policy.holds.format_limit``), for parking behind it.
+    held_by: str = ""
+    held_limit: str = "0.000|1"
 
 
 class Limits:
@@ -67,6 +72,7 @@ class Limits:
         stopping: asyncio.Event,
         clock: Callable[[], int],
         flush_ms: int,
+        on_close: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.index = index
         self.stopping = stopping
@@ -77,7 +83,8 @@ class Limits:
         options = {"max_delay_ms": flush_ms, "max_items": BATCH_ITEMS}
         self._gate = Batcher(self._flush_gate, name="gate", **options)
         self._report = Batcher(self._flush_report, name="report", **options)
-        self._defer = Batcher(self._flush_defer, name="defer", **options)
+        #: Called with a rate key whose breaker this executor closed.
+        self.on_close = on_close
         self.quotas = quotas.QuotaFile(settings.quotas_file)
         #: Unlimited rate keys found clear, until (monotonic seconds).
         self._clear_until: dict[str, float] = {}
@@ -93,18 +100,6 @@ class Limits:
         return await self.index.report(
             items, self.breaker_failures, self.cooldown_ms, BREAKER_IDLE_MS
         )
-
-    async def _flush_defer(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[int]:
-        by_shard: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
-        for shard, item in items:
-            by_shard[shard].append(item)
-        codes = await self.index.defer(dict(by_shard))
-        cursors = dict.fromkeys(codes, 0)
-        ordered = []
-        for shard, _ in items:
-            ordered.append(codes[shard][cursors[shard]])
-            cursors[shard] += 1
-        return ordered
 
     # --- the executor's hooks -----------------------------------------------------------------
 
@@ -125,7 +120,10 @@ class Limits:
         )
         if code == HELD:
             metrics.RATE_HELD.labels(metrics.NAMESPACES(occ.namespace)).inc()
-            return dataclasses.replace(admission, code=HELD, ms=ms)
+            held_limit = format_limit(item[1], item[2])
+            return dataclasses.replace(
+                admission, code=HELD, ms=ms, held_by=item[0], held_limit=held_limit
+            )
         if code == WAIT and (admission.code != WAIT or ms > admission.ms):
             metrics.RATE_WAITS.labels(metrics.NAMESPACES(occ.namespace)).inc()
             return dataclasses.replace(admission, code=WAIT, ms=ms)
@@ -146,7 +144,9 @@ class Limits:
         code, ms, flags = await transient.retry(
             lambda: self._gate.submit(item), what="rate gate", stopping=self.stopping
         )
-        admission = Admission(key, code, ms, bool(flags & 1), bool(flags & 2))
+        admission = Admission(
+            key, code, ms, bool(flags & 1), bool(flags & 2), key, format_limit(item[1], item[2])
+        )
         if bucket is None and code == GO and not flags:
             if len(self._clear_until) >= MAX_CLEAR_KEYS:
                 self._clear_until.clear()
@@ -177,14 +177,8 @@ class Limits:
                 state,
                 extra={"action": f"breaker_{state}", "rate_key": admission.rate_key},
             )
-
-    async def defer(self, occ: Occurrence, at_ms: int) -> int:
-        """Back into due at ``at_ms``, same attempt (1 deferred, 0 stale)."""
-        item = (occ.shard, (occ.member, occ.token, at_ms))
-        code: int = await transient.retry(
-            lambda: self._defer.submit(item), what="defer", stopping=self.stopping
-        )
-        return code
+            if code == 1 and self.on_close is not None:
+                await self.on_close(admission.rate_key)
 
     def capped(self, outcome: Outcome) -> Outcome:
         """The outcome with its Retry-After capped at CRONBUS_MAX_RETRY_AFTER_S."""
@@ -193,5 +187,5 @@ class Limits:
         return dataclasses.replace(outcome, retry_after_ms=self.max_retry_after_ms)
 
     async def drain(self) -> None:
-        for batcher in (self._gate, self._report, self._defer):
+        for batcher in (self._gate, self._report):
             await batcher.drain()

@@ -95,6 +95,7 @@ class ExecutorService(ServiceBase):
         await channel.set_qos(prefetch_count=settings.prefetch)
         tasks.start("audit-writer", audit.run(stopping))
         tasks.start("lease-keeper", executor.run_lease_keeper(stopping))
+        tasks.start("unpark", executor.parking.run(stopping))
         queue = await amqp.deliveries_queue_of(channel)
 
         async def on_delivery(message: AbstractIncomingMessage) -> None:

@@ -85,6 +85,20 @@ class RedisKeys:
         base = f"{self.prefix}:{{rate}}:"
         return (base + "tat:" + rate_key, base + "hold:" + rate_key, base + "brk:" + rate_key)
 
+    def parked(self, shard: int) -> str:
+        """ZSET rate key -> wake (ms): rate keys with occurrences of the shard parked behind
+        them (``lua/park.lua``), and when to look at their gate again."""
+        return f"{self.prefix}:{{{shard}}}:parked"
+
+    def parked_rates(self, shard: int) -> str:
+        """HASH rate key -> ``interval_ms|burst``: the limit of each parked rate key."""
+        return f"{self.prefix}:{{{shard}}}:parkrate"
+
+    def parked_on(self, shard: int, rate_key: str) -> str:
+        """ZSET member -> its parked deadline in due (ms): the occurrences of the shard parked
+        behind one rate key."""
+        return f"{self.prefix}:{{{shard}}}:pk:{rate_key}"
+
     def gone(self, shard: int) -> str:
         """HASH ``ns/id`` -> ``version|ms|kind``: tombstones of schedules deleted (``d``) or
         finished (``f``) at that version, so no write of an older one (a rebuild, a repair)

@@ -80,6 +80,8 @@ class Index:
             "seq": self.keys.seq,
             "gone": self.keys.gone,
             "bf": self.keys.backfill,
+            "parked": self.keys.parked,
+            "rates": self.keys.parked_rates,
         }
         return [names[role](shard) for role in roles]
 
@@ -103,6 +105,10 @@ class Index:
             if isinstance(result, Exception):
                 raise result
         return results
+
+    async def run(self, calls: Sequence[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        """Script calls (name, keys, args) of other modules' scripts, as ``_pipeline`` runs them."""
+        return await self._pipeline(calls)
 
     async def _execute(self, calls: Sequence[tuple[str, list[str], list[Any]]]) -> list[Any]:
         if isinstance(self.client, RedisCluster):
@@ -343,7 +349,7 @@ class Index:
         """Drop every shard's keys (an index found stale is rebuilt from scratch)."""
         for shard in range(self.shards):
             await self.client.unlink(
-                *self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf")
+                *self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf", "parked", "rates")
             )
 
     async def knows(self, shard: int, member: str) -> bool:

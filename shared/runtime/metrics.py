@@ -122,9 +122,15 @@ RATE_WAITS = Counter(
 )
 RATE_HELD = Counter(
     "cronbus_rate_held_total",
-    "Occurrences put back into due by their rate key (Retry-After hold, open breaker, or a "
-    "rate limit far ahead), per namespace; their attempt is kept.",
+    "Occurrences held back by their rate key (Retry-After hold, open breaker, or a "
+    "rate limit far ahead) and parked until it can let them through, per namespace; their "
+    "attempt is kept.",
     ["namespace"],
+)
+RATE_RELEASED = Counter(
+    "cronbus_rate_released_total",
+    "Parked occurrences released back into due because their rate key's gate could let them "
+    "through (the hold or cooldown ended, a probe, the breaker closed, or free slots).",
 )
 BREAKER_TRANSITIONS = Counter(
     "cronbus_breaker_transitions_total",
@@ -232,6 +238,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
         AUTO_PAUSED,
         RATE_WAITS,
         RATE_HELD,
+        RATE_RELEASED,
         BREAKER_TRANSITIONS,
         DEAD_LETTERED,
         DEPENDENCY_UP,

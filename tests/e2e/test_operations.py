@@ -246,6 +246,13 @@ async def test_a_rate_limit_holds_across_two_executors_and_drops_nothing(
     assert worst <= burst + 5 * per_s + 1, worst
     drain_s = (max(arrivals) - min(arrivals)) / 1000
     assert drain_s >= (count - burst) / per_s - 1.5, drain_s
+    # Parked until slots free up, not re-polled: a few holds per occurrence at most.
+    scraped = [
+        (await asyncio.to_thread(proc.get, "/metrics"))[1] for proc in stack.running("executor")
+    ]
+    held = sum(metric_sum(text, "cronbus_rate_held_total") for text in scraped)
+    print(f"held {held:.0f} times for {count} occurrences")
+    assert held <= 3 * count, held
 
 
 async def test_retry_after_delays_the_attempt_and_holds_the_rate_key(

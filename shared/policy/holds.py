@@ -1,0 +1,111 @@
+"""Parked deliveries: when the gate of a rate key can let them through again (pure).
+
+Occurrences held by a rate key are parked once (``lua/park.lua``) and released in bulk by the
+executors (``lua/unpark.lua``) when the key's wake time comes. What to release then is decided
+here from the key's gate as Redis holds it (``gate.lua``'s keys): nothing while a Retry-After
+hold or an open breaker lasts (look again when it ends); one occurrence, the probe, when the
+breaker is half-open and no probe is in flight; as many as the limit lets through in the next
+window for a limited key; and the rest in chunks for a key that is clear.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: How long past its wake a parked occurrence comes due by itself should no executor release
+#: it (all stopped, or a registry entry lost): the cost of a key held for hours is one hold
+#: per occurrence per this long.
+SAFETY_MS = 900_000
+#: Most occurrences released per rate key, shard and look when the key is clear; the key is
+#: looked at again after ``CHUNK_WAKE_MS``, so a large parked set drains at a bounded pace.
+CHUNK = 1000
+CHUNK_WAKE_MS = 250
+#: Released occurrences come due spread over this long (not all in the same millisecond).
+SPREAD_MS = 250
+#: After releasing a probe, look again this late: by then its gate call has set the breaker's
+#: probe deadline (look again at its end), or the probe's success has closed the breaker.
+PROBE_LOOK_MS = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """A rate key's gate as Redis holds it (0 for an absent value)."""
+
+    fails: int
+    open_until: int
+    probe_until: int
+    hold_until: int
+    #: GCRA's theoretical arrival time of the next slot (ms).
+    tat: float
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """The rate limit of a parked key: ``interval_ms`` 0 for none."""
+
+    interval_ms: float
+    burst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Release at most ``count`` of the key's parked occurrences (over all shards), and look
+    at the key again at ``next_wake_ms``. ``count`` None: a chunk per shard (the key is clear)."""
+
+    count: int | None
+    next_wake_ms: int
+
+
+def parse_limit(text: str) -> Limit:
+    """``interval_ms|burst`` as park.lua stores it; anything unreadable counts as no limit."""
+    interval, _, burst = text.partition("|")
+    try:
+        return Limit(max(float(interval), 0.0), max(int(burst), 1))
+    except ValueError:
+        return Limit(0.0, 1)
+
+
+def format_limit(interval_ms: float, burst: int) -> str:
+    return f"{interval_ms:.3f}|{burst}"
+
+
+def decide(gate: Gate, limit: Limit, now_ms: int, threshold: int, window_ms: int) -> Release:
+    """What to release of a key whose wake came, from its gate at ``now_ms``. ``threshold`` is
+    the failures that open a breaker; ``window_ms`` how far ahead the gate reserves slots."""
+    if gate.hold_until > now_ms:
+        return Release(0, gate.hold_until)
+    if gate.open_until > now_ms:
+        return Release(0, gate.open_until)
+    if gate.fails >= threshold:
+        if gate.probe_until > now_ms:
+            return Release(0, gate.probe_until)
+        return Release(1, now_ms + PROBE_LOOK_MS)
+    if limit.interval_ms <= 0:
+        return Release(None, now_ms + CHUNK_WAKE_MS)
+    return Release(slots_within(gate.tat, limit, now_ms, window_ms), now_ms + window_ms)
+
+
+def slots_within(tat: float, limit: Limit, now_ms: int, window_ms: int) -> int:
+    """GCRA slots free from now until ``window_ms`` ahead: what the gate would admit or
+    reserve, rather than hold, if that many came now."""
+    allowed_at = max(tat, now_ms) - limit.interval_ms * (limit.burst - 1)
+    horizon = now_ms + window_ms
+    if allowed_at > horizon:
+        return 0
+    return math.floor((horizon - allowed_at) / limit.interval_ms) + 1
+
+
+def share(count: int | None, shards: Sequence[int], turn: int) -> dict[int, int]:
+    """``count`` split between the shards that park the key, evenly, the remainder going to
+    shards in turn (``turn`` rotates it, so a probe does not always come from one shard).
+    None: a chunk each."""
+    if not shards:
+        return {}
+    if count is None:
+        return dict.fromkeys(shards, CHUNK)
+    base, extra = divmod(count, len(shards))
+    start = turn % len(shards)
+    order = list(shards[start:]) + list(shards[:start])
+    return {shard: base + (1 if i < extra else 0) for i, shard in enumerate(order)}

@@ -1,0 +1,149 @@
+"""Parked deliveries in Redis: park.lua, wakes.lua and unpark.lua, batched per shard and
+pipelined over shards, and the gates of the rate keys they wait on (one pipeline)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shared.policy.holds import Gate
+from shared.redis.index import Index
+
+
+@dataclass(frozen=True, slots=True)
+class ToPark:
+    member: str
+    token: int
+    rate_key: str
+    wake_ms: int
+    #: ``interval_ms|burst`` (``shared.policy.holds.format_limit``).
+    limit: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """A rate key of a shard whose parked occurrences are due to be looked at."""
+
+    shard: int
+    rate_key: str
+    wake_ms: int
+    limit: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToRelease:
+    rate_key: str
+    seen_wake_ms: int
+    count: int
+    next_wake_ms: int
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def park(
+    index: Index, items: dict[int, list[ToPark]], safety_ms: int, now_ms: int | None = None
+) -> dict[int, list[int]]:
+    """Per shard, 1 parked or 0 stale for each item."""
+    calls = []
+    for shard, batch in items.items():
+        keys = [
+            index.keys.due(shard),
+            index.keys.lease(shard),
+            index.keys.occ(shard),
+            index.keys.parked(shard),
+            index.keys.parked_rates(shard),
+            *[index.keys.parked_on(shard, p.rate_key) for p in batch],
+        ]
+        args: list[Any] = ["" if now_ms is None else now_ms, safety_ms]
+        for p in batch:
+            args += [p.member, p.token, p.rate_key, p.wake_ms, p.limit]
+        calls.append(("park", keys, args))
+    replies = await index.run(calls)
+    return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
+
+
+async def wakes(index: Index, limit: int, now_ms: int | None = None) -> tuple[int, list[Wake]]:
+    """The Redis clock, and the rate keys whose wake has come in any shard."""
+    calls = [
+        (
+            "wakes",
+            [index.keys.parked(s), index.keys.parked_rates(s)],
+            [limit, "" if now_ms is None else now_ms],
+        )
+        for s in range(index.shards)
+    ]
+    replies = await index.run(calls)
+    now = max(int(r[0]) for r in replies)
+    found = [
+        Wake(shard, _text(r[i]), int(float(r[i + 1])), _text(r[i + 2]))
+        for shard, r in enumerate(replies)
+        for i in range(1, len(r), 3)
+    ]
+    return now, found
+
+
+async def gates(index: Index, rate_keys: Sequence[str]) -> list[Gate]:
+    """The gate of each rate key (breaker, Retry-After hold, GCRA slot), one round trip."""
+    pipe = index.client.pipeline(transaction=False)
+    for rate_key in rate_keys:
+        tat, hold, breaker = index.keys.rate(rate_key)
+        pipe.hmget(breaker, ["fails", "open_until", "probe_until"])
+        pipe.get(hold)
+        pipe.get(tat)
+    replies = await pipe.execute()
+    found = []
+    for i in range(0, len(replies), 3):
+        (fails, open_until, probe_until), held, tat = replies[i : i + 3]
+        found.append(
+            Gate(
+                int(fails or 0),
+                int(float(open_until or 0)),
+                int(float(probe_until or 0)),
+                int(float(held or 0)),
+                float(tat or 0),
+            )
+        )
+    return found
+
+
+async def unpark(
+    index: Index,
+    items: dict[int, list[ToRelease]],
+    spread_ms: int,
+    now_ms: int | None = None,
+) -> dict[int, list[tuple[int, int]]]:
+    """Per shard, (released or -1 fenced off, still parked) for each rate key."""
+    calls = []
+    for shard, batch in items.items():
+        keys = [
+            index.keys.due(shard),
+            index.keys.occ(shard),
+            index.keys.parked(shard),
+            index.keys.parked_rates(shard),
+            *[index.keys.parked_on(shard, r.rate_key) for r in batch],
+        ]
+        args: list[Any] = ["" if now_ms is None else now_ms, spread_ms]
+        for r in batch:
+            args += [r.rate_key, r.seen_wake_ms, r.count, r.next_wake_ms]
+        calls.append(("unpark", keys, args))
+    replies = await index.run(calls)
+    return {
+        s: [(int(r[i]), int(r[i + 1])) for i in range(0, len(r), 2)]
+        for s, r in zip(items, replies, strict=True)
+    }
+
+
+async def nudge(index: Index, rate_key: str) -> None:
+    """Look at a rate key's parked occurrences at once (its breaker just closed), in every
+    shard that parks some: its wake is lowered to 0, never added where it is not parked."""
+    pipe = index.client.pipeline(transaction=False)
+    for shard in range(index.shards):
+        pipe.zadd(index.keys.parked(shard), {rate_key: 0}, xx=True, lt=True)
+    await pipe.execute()
+
+
+async def parked_count(index: Index, shard: int, rate_key: str) -> int:
+    return int(await index.client.zcard(index.keys.parked_on(shard, rate_key)))

@@ -1,0 +1,74 @@
+"""What a parked rate key releases when its wake comes, from its gate (pure)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.policy import holds
+from shared.policy.holds import Gate, Limit, Release
+
+NOW = 1_800_000_000_000
+NONE = Limit(0.0, 1)
+CLEAR = Gate(0, 0, 0, 0, 0.0)
+
+
+def decide(gate: Gate, limit: Limit = NONE) -> Release:
+    return holds.decide(gate, limit, NOW, threshold=20, window_ms=2000)
+
+
+def test_a_retry_after_hold_or_an_open_breaker_releases_nothing_until_it_ends() -> None:
+    assert decide(Gate(0, 0, 0, NOW + 5000, 0.0)) == Release(0, NOW + 5000)
+    assert decide(Gate(25, NOW + 30_000, 0, 0, 0.0)) == Release(0, NOW + 30_000)
+    # Both: the hold is looked at first, and the breaker at the hold's end.
+    assert decide(Gate(25, NOW + 30_000, 0, NOW + 1000, 0.0)) == Release(0, NOW + 1000)
+
+
+def test_a_half_open_breaker_releases_one_probe_then_waits_for_it() -> None:
+    assert decide(Gate(25, NOW - 1, 0, 0, 0.0)) == Release(1, NOW + holds.PROBE_LOOK_MS)
+    assert decide(Gate(25, NOW - 1, NOW + 15_000, 0, 0.0)) == Release(0, NOW + 15_000)
+
+
+def test_a_clear_key_releases_in_chunks() -> None:
+    assert decide(CLEAR) == Release(None, NOW + holds.CHUNK_WAKE_MS)
+    # Failures under the threshold do not hold anything back.
+    assert decide(Gate(3, 0, 0, 0, 0.0)).count is None
+
+
+def test_a_limited_key_releases_the_slots_of_the_next_window() -> None:
+    five_per_s = Limit(200.0, 1)
+    assert decide(CLEAR, five_per_s) == Release(11, NOW + 2000)  # now, +200 ... +2000
+    assert decide(Gate(0, 0, 0, 0, NOW + 1000.0), five_per_s).count == 6
+    assert decide(Gate(0, 0, 0, 0, NOW + 5000.0), five_per_s).count == 0
+    assert decide(CLEAR, Limit(200.0, 10)).count == 20  # the burst too
+
+
+@given(
+    tat=st.floats(NOW - 10_000, NOW + 10_000),
+    interval=st.floats(1, 5000),
+    burst=st.integers(1, 100),
+)
+def test_slots_never_exceed_what_the_gate_would_take_without_holding(
+    tat: float, interval: float, burst: int
+) -> None:
+    limit = Limit(interval, burst)
+    slots = holds.slots_within(tat, limit, NOW, 2000)
+    # The gate reserves slot k (0-based) at allowed_at + k * interval; all must be <= window.
+    allowed_at = max(tat, NOW) - interval * (burst - 1)
+    if slots:
+        assert allowed_at + (slots - 1) * interval <= NOW + 2000 + 1e-6
+    assert allowed_at + slots * interval > NOW + 2000 - 1e-6
+
+
+def test_share_splits_the_count_and_rotates_the_remainder() -> None:
+    assert holds.share(1, [3, 5, 7], 0) == {3: 1, 5: 0, 7: 0}
+    assert holds.share(1, [3, 5, 7], 1) == {5: 1, 7: 0, 3: 0}
+    assert holds.share(7, [3, 5], 0) == {3: 4, 5: 3}
+    assert holds.share(None, [1, 2], 0) == {1: holds.CHUNK, 2: holds.CHUNK}
+    assert holds.share(5, [], 0) == {}
+
+
+def test_limits_round_trip_and_bad_text_is_no_limit() -> None:
+    assert holds.parse_limit(holds.format_limit(200.0, 10)) == Limit(200.0, 10)
+    assert holds.parse_limit("") == NONE
+    assert holds.parse_limit("x|y") == NONE
