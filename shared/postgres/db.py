@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import re
@@ -53,7 +54,7 @@ async def migrate(url: str, *, partitions_ahead_days: int = 3) -> list[str]:
     await ensure_database(url)
     conn = await asyncpg.connect(url)
     try:
-        await conn.execute("SELECT pg_advisory_lock($1)", _MIGRATION_LOCK)
+        await _take_migration_lock(conn)
         try:
             applied = await _apply_pending(conn)
             await build_partition_indexes(conn)
@@ -63,6 +64,17 @@ async def migrate(url: str, *, partitions_ahead_days: int = 3) -> list[str]:
     finally:
         await conn.close()
     return applied
+
+
+async def _take_migration_lock(conn: Connection) -> None:
+    """Wait for the migration lock by asking again, never inside a waiting statement: a
+    migrator blocked in ``pg_advisory_lock`` holds a snapshot, and CREATE INDEX CONCURRENTLY
+    in the migrator holding the lock waits for every such snapshot (each would wait for the
+    other; PostgreSQL ends it as a deadlock)."""
+    while True:
+        if await conn.fetchval("SELECT pg_try_advisory_lock($1)", _MIGRATION_LOCK):
+            return
+        await asyncio.sleep(0.2)
 
 
 async def _apply_pending(conn: Connection) -> list[str]:
@@ -90,37 +102,58 @@ async def _apply_pending(conn: Connection) -> list[str]:
 async def build_partition_indexes(conn: Connection) -> list[str]:
     """Finish the indexes a migration declared ``ON ONLY executions``: build each partition's
     CONCURRENTLY (outside any transaction: writes go on) and attach it; the parent's index is
-    valid once every partition has one. Resumes where an interrupted run stopped."""
+    valid once every partition has a valid one. An interrupted run is resumed: an invalid
+    index it left (a build cancelled half way) is dropped and built again."""
     built = []
-    unfinished = await conn.fetch(
-        """SELECT i.indexrelid AS oid, c.relname AS name, pg_get_indexdef(i.indexrelid) AS def
-           FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-           WHERE i.indrelid = 'executions'::regclass AND NOT i.indisvalid AND c.relkind = 'I'"""
-    )
-    for index in unfinished:
-        missing = await conn.fetch(
-            """SELECT p.relname FROM pg_inherits h JOIN pg_class p ON p.oid = h.inhrelid
-               WHERE h.inhparent = 'executions'::regclass
-                 AND NOT EXISTS (
-                     SELECT 1 FROM pg_inherits ih JOIN pg_index pi ON pi.indexrelid = ih.inhrelid
-                     WHERE ih.inhparent = $1 AND pi.indrelid = p.oid)
-               ORDER BY p.relname""",
-            index["oid"],
-        )
-        for part in missing:
-            name = f"{part['relname'][:40]}_{index['name'][:20]}"
-            statement, found = _ONLY_PARENT.subn(
-                f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {part['relname']} ",
-                index["def"],
-                count=1,
+    for index in await conn.fetch(_UNFINISHED_INDEXES):
+        for part in await conn.fetch(_PARTITIONS_WITHOUT_VALID_INDEX, index["oid"]):
+            name = f"{part['relname']}_{index['name']}"[:63]
+            if part["leftover_valid"] is False:  # a build cancelled half way
+                await conn.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {_quoted(name)}")
+            if not part["leftover_valid"]:
+                statement, found = _ONLY_PARENT.subn(
+                    f"CREATE INDEX CONCURRENTLY {_quoted(name)} ON {_quoted(part['relname'])} ",
+                    index["def"],
+                    count=1,
+                )
+                if not found:
+                    raise RuntimeError(f"cannot build the index {index['name']} by partition")
+                await conn.execute(statement)
+            await conn.execute(
+                f"ALTER INDEX {_quoted(index['name'])} ATTACH PARTITION {_quoted(name)}"
             )
-            if not found:
-                raise RuntimeError(f"cannot build the index {index['name']} by partition")
-            await conn.execute(statement)
-            await conn.execute(f"ALTER INDEX {index['name']} ATTACH PARTITION {name}")
             built.append(name)
+    left = [row["name"] for row in await conn.fetch(_UNFINISHED_INDEXES)]
+    if left:
+        raise RuntimeError(f"indexes still invalid after building them by partition: {left}")
     return built
 
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+#: Invalid partitioned indexes of executions: declared ON ONLY, partitions still to do.
+_UNFINISHED_INDEXES = """
+    SELECT i.indexrelid AS oid, c.relname AS name, pg_get_indexdef(i.indexrelid) AS def
+    FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+    WHERE i.indrelid = 'executions'::regclass AND NOT i.indisvalid AND c.relkind = 'I'"""
+
+#: Partitions of executions with no index attached to the partitioned index $1, and whether
+#: an interrupted run left the partition's index unattached: valid (the attach is left to do),
+#: invalid (the build was cancelled: built again), or NULL (none).
+_PARTITIONS_WITHOUT_VALID_INDEX = """
+    SELECT p.relname,
+           (SELECT pi.indisvalid FROM pg_index pi JOIN pg_class c ON c.oid = pi.indexrelid
+            WHERE pi.indrelid = p.oid
+              AND c.relname = left(p.relname || '_' || (SELECT relname FROM pg_class
+                                                       WHERE oid = $1), 63)) AS leftover_valid
+    FROM pg_inherits h JOIN pg_class p ON p.oid = h.inhrelid
+    WHERE h.inhparent = 'executions'::regclass
+      AND NOT EXISTS (
+          SELECT 1 FROM pg_inherits ih JOIN pg_index pi ON pi.indexrelid = ih.inhrelid
+          WHERE ih.inhparent = $1 AND pi.indrelid = p.oid)
+    ORDER BY p.relname"""
 
 #: The head of a partitioned index's definition, as ``pg_get_indexdef`` writes it.
 _ONLY_PARENT = re.compile(r"^CREATE INDEX \S+ ON ONLY \S+ ")

@@ -3,6 +3,7 @@ upgrade of a large table does not stop the executors' writes while it reads ever
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from collections.abc import AsyncIterator
 
@@ -47,16 +48,12 @@ async def _index_state(conn: asyncpg.Connection) -> tuple[bool, set[str]]:
     return valid, covered
 
 
-async def test_an_upgrade_indexes_every_existing_partition_and_new_ones(
-    empty_database: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def _at_version_7_with_rows(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     every = sql.migrations()
-    before = [m for m in every if m[0] < 8]
-    monkeypatch.setattr(sql, "migrations", lambda: before)
-    await db.migrate(empty_database, partitions_ahead_days=2)
+    monkeypatch.setattr(sql, "migrations", lambda: [m for m in every if m[0] < 8])
+    await db.migrate(url, partitions_ahead_days=2)
     monkeypatch.setattr(sql, "migrations", lambda: every)
-
-    conn = await asyncpg.connect(empty_database)
+    conn = await asyncpg.connect(url)
     try:
         await conn.execute(
             """INSERT INTO executions (namespace, id, nominal_at, is_trigger, attempts, status,
@@ -65,7 +62,38 @@ async def test_an_upgrade_indexes_every_existing_partition_and_new_ones(
                       'k' || n, now(), now(), 5
                FROM generate_series(1, 500) AS n"""
         )
-        assert await db.migrate(empty_database) == ["0008_attempts_and_rates"]
+    finally:
+        await conn.close()
+
+
+async def test_the_migration_itself_reads_no_partition_and_the_migrator_builds_them(
+    empty_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _at_version_7_with_rows(empty_database, monkeypatch)
+    conn = await asyncpg.connect(empty_database)
+    try:
+        # The migration's own transaction (the part that would hold a lock while it reads
+        # every row) only declares the index on the parent.
+        await db._apply_pending(conn)
+        valid, covered = await _index_state(conn)
+        assert not valid and covered == set()
+        # The migrator then builds each partition's, concurrently, and attaches it.
+        built = await db.build_partition_indexes(conn)
+        valid, covered = await _index_state(conn)
+        assert valid and covered == await _partitions(conn) and len(built) == len(covered)
+    finally:
+        await conn.close()
+
+
+async def test_an_upgrade_indexes_every_existing_partition_and_new_ones(
+    empty_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _at_version_7_with_rows(empty_database, monkeypatch)
+    # Three services starting at once each run the migrator.
+    results = await asyncio.gather(*(db.migrate(empty_database) for _ in range(3)))
+    assert sorted(results) == [[], [], ["0008_attempts_and_rates"]]
+    conn = await asyncpg.connect(empty_database)
+    try:
         valid, covered = await _index_state(conn)
         assert valid and covered == await _partitions(conn)
         assert len(covered) >= 5  # yesterday's to today + 2 days', and the default partition
@@ -75,5 +103,28 @@ async def test_an_upgrade_indexes_every_existing_partition_and_new_ones(
         await db.ensure_partitions(conn, later, 0, 0)
         valid, covered = await _index_state(conn)
         assert valid and db.partition_name(later) in covered
+    finally:
+        await conn.close()
+
+
+async def test_a_build_cancelled_half_way_is_built_again(
+    empty_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _at_version_7_with_rows(empty_database, monkeypatch)
+    conn = await asyncpg.connect(empty_database)
+    try:
+        await db._apply_pending(conn)
+        # What a cancelled CREATE INDEX CONCURRENTLY leaves: the index, invalid, unattached.
+        victim = sorted(await _partitions(conn))[0]
+        name = f"{victim}_executions_retried"
+        await conn.execute(f'CREATE INDEX "{name}" ON "{victim}" (finished_at)')
+        await conn.execute(
+            "UPDATE pg_index SET indisvalid = false WHERE indexrelid = $1::regclass", name
+        )
+        await db.build_partition_indexes(conn)
+        valid, covered = await _index_state(conn)
+        assert valid and victim in covered
+        definition = await conn.fetchval("SELECT pg_get_indexdef($1::regclass)", name)
+        assert "finished_at DESC, namespace" in definition  # rebuilt, not the leftover
     finally:
         await conn.close()
