@@ -209,6 +209,30 @@ def _number(value: float | None, unit: str = "", digits: int = 1) -> str:
     return "—" if value is None else f"{value:,.{digits}f}{unit}"
 
 
+def _compact(value: float) -> str:
+    """At most 7 characters: 999,999 as it is, then 1.2M, 3.4G (a grid cell keeps its width)."""
+    if value < 1_000_000:
+        return f"{value:,.0f}"
+    for unit, size in (("M", 1e6), ("G", 1e9), ("T", 1e12)):
+        if value < size * 1000:
+            return f"{value / size:.1f}{unit}"
+    return f"{value:.1e}"[:7]
+
+
+def _one_line(head: str, names: Sequence[str], width: int = 78) -> str:
+    """``head`` and as many names as fit ``width``, then how many more."""
+    text = head
+    for i, name in enumerate(names):
+        rest = f" … {len(names) - i} more"
+        piece = (", " if i else "") + name
+        if (len(text) + len(piece) + len(rest) > width and i < len(names) - 1) or (
+            len(text) + len(piece) > width
+        ):
+            return text + rest
+        text += piece
+    return text
+
+
 def bound_text(value: float | None, cap: float | None = None) -> str:
     """A histogram quantile's bucket bound (seconds) as ``≤ 50 ms``; above the highest finite
     bound ``cap``, ``> 60,000 ms`` (never ``≤ +Inf``)."""
@@ -264,7 +288,7 @@ def render(view: View, sources: Sequence[str], interval_s: float) -> Group:
         namespaces.add_row("— no executor reports", "", "", "")
     parts: list[Text | Table] = [head, rates, now, namespaces, _backlog(view.backlog)]
     if view.missed:
-        parts.append(Text("not answering: " + ", ".join(view.missed), style="red"))
+        parts.append(Text(_one_line("not answering: ", view.missed), style="red"))
     return Group(*parts)
 
 
@@ -280,7 +304,7 @@ def _backlog(backlog: dict[int, float]) -> Text:
         room = SHARDS_PER_LINE * (BACKLOG_LINES - 1)
         busiest = sorted(backlog, key=lambda shard: (-backlog[shard], shard))[:room]
         shown = {shard: backlog[shard] for shard in sorted(busiest)}
-    cells = [f"{shard:>3}:{value:>7,.0f}" for shard, value in shown.items()]
+    cells = [f"{shard:>3}:{_compact(value):>7}"[-11:] for shard, value in shown.items()]
     lines = [
         "  ".join(cells[i : i + SHARDS_PER_LINE]) for i in range(0, len(cells), SHARDS_PER_LINE)
     ]

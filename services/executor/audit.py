@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
+from dataclasses import dataclass, field
 
 import asyncpg
 
@@ -31,6 +33,20 @@ RETRIED: tuple[type[BaseException], ...] = (
 )
 
 
+@dataclass
+class _Batch:
+    """What one flush writes, kept as it is (with its id) until PostgreSQL has it: a retry
+    must be the same flush, or its id would not tell whether it was written."""
+
+    rows: list[ExecutionRow]
+    checkpoints: list[Checkpoint]
+    backfills: list[BackfillProgress]
+    id: uuid.UUID = field(default_factory=uuid.uuid4)
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.checkpoints) + len(self.backfills)
+
+
 class AuditWriter:
     def __init__(self, store: Store, flush_ms: int, max_rows: int) -> None:
         self.store = store
@@ -40,6 +56,8 @@ class AuditWriter:
         self.checkpoints: list[Checkpoint] = []
         #: Backfill completions, written after the rows (see ``Store.write_backfill_progress``).
         self.backfills: list[BackfillProgress] = []
+        #: The flush under way (tried again until written), cut from the lists above.
+        self._batch: _Batch | None = None
         self._room = asyncio.Event()
         self._room.set()
         self._wake = asyncio.Event()
@@ -54,8 +72,13 @@ class AuditWriter:
         self.backfills.append(progress)
         self._update()
 
+    @property
+    def pending(self) -> int:
+        buffered = len(self.rows) + len(self.checkpoints) + len(self.backfills)
+        return buffered + (len(self._batch) if self._batch is not None else 0)
+
     def _update(self) -> None:
-        pending = len(self.rows) + len(self.checkpoints) + len(self.backfills)
+        pending = self.pending
         metrics.AUDIT_BUFFERED.set(pending)
         if pending >= self.max_rows:
             if self._room.is_set():
@@ -71,29 +94,39 @@ class AuditWriter:
     async def wait_for_room(self) -> None:
         await self._room.wait()
 
+    def _next_batch(self) -> _Batch:
+        if self._batch is None:
+            self._batch = _Batch(
+                self.rows[:MAX_BATCH], self.checkpoints[:MAX_BATCH], self.backfills[:MAX_BATCH]
+            )
+            del self.rows[: len(self._batch.rows)]
+            del self.checkpoints[: len(self._batch.checkpoints)]
+            del self.backfills[: len(self._batch.backfills)]
+        return self._batch
+
     async def flush(self) -> bool:
         """Write what is buffered; False when PostgreSQL refused (the rows are kept)."""
-        while self.rows or self.checkpoints or self.backfills:
-            rows, checkpoints = self.rows[:MAX_BATCH], self.checkpoints[:MAX_BATCH]
-            backfills = self.backfills[:MAX_BATCH]
+        while self.pending:
+            batch = self._next_batch()
             try:
-                # One transaction: a flush retried after a failure never counts a fire twice.
-                await self.store.write_audit(rows, checkpoints, backfills)
+                # One transaction, at most once per batch id: a flush retried after a failure,
+                # or after a commit whose answer was lost, never counts a fire twice.
+                await self.store.write_audit(
+                    batch.rows, batch.checkpoints, batch.backfills, flush_id=batch.id
+                )
             except RETRIED as exc:
                 log.warning(
                     "audit write failed; rows kept",
                     extra={
                         "action": "audit_write_failed",
-                        "rows": len(self.rows),
+                        "rows": self.pending,
                         "error": repr(exc),
                     },
                 )
                 self._update()
                 return False
-            del self.rows[: len(rows)]
-            del self.checkpoints[: len(checkpoints)]
-            del self.backfills[: len(backfills)]
-            metrics.AUDIT_WRITTEN.inc(len(rows))
+            self._batch = None
+            metrics.AUDIT_WRITTEN.inc(len(batch.rows))
             self._update()
         return True
 
@@ -113,7 +146,7 @@ class AuditWriter:
             if asyncio.get_running_loop().time() >= deadline:
                 break
             await asyncio.sleep(0.5)
-        left = len(self.rows) + len(self.checkpoints) + len(self.backfills)
+        left = self.pending
         if left:
             log.error(
                 "audit rows lost at shutdown: PostgreSQL unreachable",

@@ -45,7 +45,7 @@ class ExecutorService(ServiceBase):
         counts["delivery_messages"] = len(self._messages)
         counts["leased_occurrences"] = self._executor.holding() if self._executor else 0
         if self._audit is not None:
-            counts["audit_rows"] = len(self._audit.rows) + len(self._audit.checkpoints)
+            counts["audit_rows"] = self._audit.pending
         return counts
 
     def readiness(self) -> dict[str, bool]:

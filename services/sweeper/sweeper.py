@@ -120,10 +120,11 @@ class Sweeper(Repairs):
             dropped = await db.drop_partitions_before(
                 conn, today - dt.timedelta(days=self.settings.retention_days)
             )
-        # The console shows the last hour of per-namespace minutes; a day is plenty.
-        await self.store.trim_minutes(
-            dt.datetime.fromtimestamp(self.clock(), dt.UTC) - dt.timedelta(days=1)
-        )
+        # The console shows the last hour of per-namespace minutes; a day is plenty. A flush id
+        # only guards against a retry seconds after its commit: a day is plenty too.
+        day_ago = dt.datetime.fromtimestamp(self.clock(), dt.UTC) - dt.timedelta(days=1)
+        await self.store.trim_minutes(day_ago)
+        await self.store.trim_audit_flushes(day_ago)
         if dropped:
             metrics.PARTITIONS_DROPPED.inc(len(dropped))
             log.info(

@@ -129,8 +129,10 @@ async def write_backfill_progress(conn: Executor, items: Sequence[BackfillProgre
         key = (item.namespace, item.id, item.generation)
         if key not in latest or item.remaining < latest[key].remaining:
             latest[key] = item
-    going = [p for p in latest.values() if p.remaining > 0 and p.next_ms is not None]
-    ended = [p for p in latest.values() if p.remaining <= 0 or p.next_ms is None]
+    # In key order, as every batch here: two flushes lock the same rows in the same order.
+    ordered = [latest[key] for key in sorted(latest)]
+    going = [p for p in ordered if p.remaining > 0 and p.next_ms is not None]
+    ended = [p for p in ordered if p.remaining <= 0 or p.next_ms is None]
     if going:
         await conn.execute(
             QUERIES["advance_backfills"],

@@ -7,6 +7,7 @@ the firing path (executions, checkpoints) always go in batches: one statement pe
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -365,12 +366,20 @@ class Store:
         rows: Sequence[ExecutionRow] = (),
         checkpoints: Sequence[Checkpoint] = (),
         backfills: Sequence[BackfillProgress] = (),
-    ) -> None:
+        *,
+        flush_id: uuid.UUID | None = None,
+    ) -> bool:
         """An executor's flush in one transaction: execution rows with the stats and minutes
-        they add, rotation checkpoints, backfill progress. All or nothing, so a flush retried
-        after a failure never counts a fire twice."""
+        they add, rotation checkpoints, backfill progress. All or nothing, and at most once per
+        ``flush_id``: a flush retried after its commit (whose answer was lost) writes nothing
+        and returns False."""
         async with self.transaction() as conn:
+            if flush_id is not None and not await conn.fetchval(
+                QUERIES["claim_audit_flush"], flush_id
+            ):
+                return False
             await audit.write_audit(conn, rows, checkpoints, backfills)
+        return True
 
     async def write_executions(self, rows: Sequence[ExecutionRow]) -> None:
         """Execution rows alone (with the pending runs they finish), in one transaction."""
@@ -397,6 +406,9 @@ class Store:
 
     async def trim_minutes(self, before: dt.datetime) -> None:
         await self.pool.execute(QUERIES["trim_minutes"], before)
+
+    async def trim_audit_flushes(self, before: dt.datetime) -> None:
+        await self.pool.execute(QUERIES["trim_audit_flushes"], before)
 
     async def schedule_stats(self, namespace: str, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """id -> its ``schedule_stats`` row, for the given schedules of a namespace."""

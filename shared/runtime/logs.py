@@ -43,7 +43,9 @@ class TextFormatter(logging.Formatter):
     ``key=value`` (an "occurrence dead" says which occurrence and why)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        # The message and a traceback may carry a tenant's text too: what a terminal would
+        # act on is escaped there as well, keeping the traceback's line breaks.
+        line = "".join(c if c == "\n" else _escaped(c) for c in super().format(record))
         fields = " ".join(f"{k}={_text(v)}" for k, v in _fields(record).items())
         return f"{line} {fields}" if fields else line
 

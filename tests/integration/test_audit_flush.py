@@ -5,6 +5,7 @@ arrives last still brings the first attempt's lateness (issue 27's review)."""
 from __future__ import annotations
 
 import dataclasses
+import uuid
 
 import asyncpg
 import pytest
@@ -91,3 +92,15 @@ async def test_uncounted_fires_of_an_older_rotation_are_not_added_to_a_restarted
     new = Checkpoint("demo", "tick", now + 2, now + 60_000, 1, version=2, counted=False)
     await store.write_audit((), [new], ())
     assert await store.pool.fetchval("SELECT fires FROM schedules WHERE id = 'tick'") == 1
+
+
+async def test_a_flush_retried_after_its_commit_adds_nothing_twice(store: Store) -> None:
+    async with store.transaction() as conn:
+        await store.put_schedules(conn, [_row("demo", "tick")])
+    rows = [_execution("demo", "tick", ago, "succeeded") for ago in (30, 20, 10)]
+    flush = uuid.uuid4()
+    assert await store.write_audit(rows, (), (), flush_id=flush) is True
+    # The commit's answer was lost (the connection dropped): the writer tries the same batch.
+    assert await store.write_audit(rows, (), (), flush_id=flush) is False
+    assert await _stats(store, "tick") == {"fires": 3, "succeeded": 3, "failed": 0}
+    assert await _minutes(store) == 3

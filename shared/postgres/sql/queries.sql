@@ -349,6 +349,14 @@ SET fires = m.fires + EXCLUDED.fires, succeeded = m.succeeded + EXCLUDED.succeed
 -- Minutes the console no longer shows.
 DELETE FROM namespace_minutes WHERE minute < $1;
 
+-- claim_audit_flush --
+-- An audit flush's id, taken in its own transaction: no row back means that flush committed
+-- already (its retry writes nothing).
+INSERT INTO audit_flushes (id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING true;
+
+-- trim_audit_flushes --
+DELETE FROM audit_flushes WHERE at < $1;
+
 -- schedule_stats --
 -- The stats of the given schedules of a namespace (get and list).
 SELECT id, fires, succeeded, failed, dead, skipped, excluded, consecutive_failures,

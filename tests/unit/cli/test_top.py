@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from rich.console import Console
 
@@ -131,3 +133,24 @@ def test_the_screen_fits_80_by_24_at_any_shard_count(shards: int) -> None:
     screen = "\n".join(lines)
     assert "  7: 99,999" in screen
     assert f"… {shards - 12} more shards" in screen
+
+
+def test_huge_backlogs_and_many_silent_endpoints_still_fit_80_by_24() -> None:
+    sample = _sample(12, published=20, backlog=4, ok=2, failed=1, fast=1, mid=2)
+    sample.add(
+        "\n".join(
+            f'cronbus_due_backlog{{shard="{s}"}} {1_234_567_890 * (s + 1)}' for s in range(32)
+        )
+    )
+    sample.add(_namespaces(2))
+    view = top.summarize(sample, _wide_sample(10, 1))
+    sources = [f"http://127.0.0.1:{9000 + i}/metrics" for i in range(40)]
+    view = dataclasses.replace(view, missed=tuple(sources))
+    console = Console(width=80, height=24, record=True, color_system=None)
+    console.print(top.render(view, sources, 2))
+    lines = console.export_text().rstrip("\n").splitlines()
+    assert len(lines) <= 24, "\n".join(lines)
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    screen = "\n".join(lines)
+    assert "39.5G" in screen  # shard 31's 39,506,172,480, compact
+    assert "more" in lines[-1]

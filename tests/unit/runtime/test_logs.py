@@ -44,3 +44,22 @@ def test_a_field_value_never_splits_the_line_nor_reaches_the_terminal_raw(value:
 @pytest.mark.parametrize("value", ["\x1b[2J", "a\x00b", "line\nbreak", "tab\there", "\u2028"])
 def test_control_characters_are_quoted(value: str) -> None:
     assert logs._text(value).startswith('"')
+
+
+def test_the_message_and_traceback_are_escaped_too(capsys: pytest.CaptureFixture[str]) -> None:
+    factory = logging.getLogRecordFactory()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        logs.setup("INFO", "text", service="dispatcher")
+        try:
+            raise ValueError("tenant sent \x1b[2J")
+        except ValueError:
+            logging.getLogger("t").exception("command failed \x07")
+    finally:
+        logging.setLogRecordFactory(factory)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err
+    assert "\\u001b[2J" in err and "Traceback" in err

@@ -29,3 +29,11 @@ CREATE TABLE namespace_minutes (
     PRIMARY KEY (namespace, minute)
 );
 CREATE INDEX namespace_minutes_minute ON namespace_minutes (minute);
+
+-- The executors' audit flushes that committed, by the id each batch keeps until it is written:
+-- a flush retried after its commit's answer was lost (the connection dropped, the writer was
+-- cancelled at shutdown) finds its id and adds nothing twice. The sweeper drops old ids.
+CREATE TABLE audit_flushes (
+    id  uuid        PRIMARY KEY,
+    at  timestamptz NOT NULL DEFAULT now()
+);
