@@ -12,7 +12,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.contract.validation import TargetPolicy
-from shared.policy import netpolicy
+from shared.policy import exchanges, netpolicy
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -61,6 +61,10 @@ class CommonSettings(BaseSettings):
     #: JSON file of per-namespace max_schedules and max_fires_per_s (see Quotas); empty: no
     #: quotas.
     quotas_file: str = ""
+    #: Comma-separated exchange globs AMQP targets may publish to; {namespace} stands for the
+    #: schedule's namespace. The default exchange (""), amq.* and cronbus.* are refused
+    #: whatever this says. Checked at upsert, at every delivery and by cronbus doctor.
+    amqp_allowed_exchanges: str = exchanges.DEFAULT
 
     @field_validator("redis_url", "amqp_url", "database_url")
     @classmethod
@@ -73,6 +77,9 @@ class CommonSettings(BaseSettings):
             if port and not (port.isdigit() and 0 < int(port) < 65536):
                 raise ValueError("the port must be a number from 1 to 65535")
         return value
+
+    def exchange_policy(self) -> exchanges.ExchangePolicy:
+        return exchanges.ExchangePolicy.from_text(self.amqp_allowed_exchanges)
 
 
 class WebhookPolicySettings(CommonSettings):
@@ -126,8 +133,6 @@ class DispatcherSettings(WebhookPolicySettings):
     commands_commit_workers: int = Field(default=2, ge=1, le=32)
     #: Largest command body accepted; a larger one is refused with code too_large.
     max_command_bytes: int = Field(default=262_144, ge=1024, le=64 * 1024 * 1024)
-    #: Comma-separated exchange globs AMQP targets may publish to.
-    amqp_allowed_exchanges: str = "*"
     #: Largest JSON body a target may carry.
     max_body_bytes: int = Field(default=65_536, ge=0)
 
@@ -136,7 +141,7 @@ class DispatcherSettings(WebhookPolicySettings):
             allowed_hosts=_csv(self.webhook_allowed_hosts),
             denied_networks=_csv(self.webhook_denied_networks),
             allowed_networks=_csv(self.webhook_allowed_networks),
-            allowed_exchanges=_csv(self.amqp_allowed_exchanges),
+            allowed_exchanges=self.exchange_policy().globs,
             max_body_bytes=self.max_body_bytes,
         )
 
