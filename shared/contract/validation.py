@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import pydantic
 
-from shared.contract import codec, commands, keys, models, timefmt
+from shared.contract import codec, commands, models, timefmt
 from shared.contract.errors import ValidationFailed
 from shared.policy import exchanges, netpolicy
 from shared.rules import cron, schedule

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from shared.contract import keys
+from shared.contract.rows import AmqpTargetRow
 
 SETTING = "CRONBUS_AMQP_ALLOWED_EXCHANGES"
 #: Replaced by the schedule's namespace in each glob.
@@ -100,3 +102,25 @@ def _refusal(globs: tuple[str, ...], namespace: str, exchange: str) -> str | Non
 def _literal(text: str) -> str:
     """``text`` as a glob that matches exactly itself (each special character in brackets)."""
     return "".join(f"[{char}]" if char in "*?[" else char for char in text)
+
+
+@dataclass(frozen=True, slots=True)
+class RefusedTarget:
+    """A stored schedule whose AMQP target the policy refuses: it fails at every delivery
+    until it is changed (or the operator allows its exchange)."""
+
+    namespace: str
+    id: str
+    state: str
+    exchange: str
+    reason: str
+
+
+def refused_targets(
+    rows: Iterable[AmqpTargetRow], policy: ExchangePolicy
+) -> Iterator[RefusedTarget]:
+    """The rows whose exchange ``policy`` refuses, with the reason."""
+    for row in rows:
+        reason = policy.refusal(row.namespace, row.exchange)
+        if reason is not None:
+            yield RefusedTarget(row.namespace, row.id, row.state, row.exchange, reason)
