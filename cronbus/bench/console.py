@@ -87,7 +87,9 @@ CROSS JOIN LATERAL (
 
 def _template() -> tuple[str, bytes]:
     item = models.Schedule.model_validate(TEMPLATE)
-    plan = validation.check_schedule(item, 1, int(time.time() * 1000), validation.TargetPolicy())
+    plan = validation.check_schedule(
+        item, 1, int(time.time() * 1000), validation.TargetPolicy(), namespace="bench"
+    )
     return item.model_dump_json(), compact.encode(plan)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
 from cronbus.bench import command as bench_command
-from cronbus.cli import commands, completion, dev, importer, output, procs, top
+from cronbus.cli import commands, completion, dev, doctor, importer, output, procs, top
 from cronbus.cli import preview as preview_cmd
 from cronbus.cli.common import CliError, interval_s, positive_int, quiet_drivers, unreachable
 from shared.runtime.config import DispatcherSettings, ExecutorSettings, SweeperSettings
@@ -119,6 +119,7 @@ def _add_preview(sub: Subparsers) -> None:
 def _add_operations(sub: Subparsers) -> None:
     p = sub.add_parser("migrate", help="create the database if missing and apply migrations")
     p.set_defaults(handler=_migrate)
+    doctor.add_parser(sub)
     p = sub.add_parser("run", help="run one service (same as python -m services.NAME)")
     p.add_argument("service", choices=SERVICES)
     p.add_argument(
@@ -210,7 +211,8 @@ def _completion(args: argparse.Namespace) -> int:
 
 EXIT_CODES = """exit status:
   0    done (every command answered ok)
-  1    cronbus refused a command (the reason on stderr; with several, at least one)
+  1    cronbus refused a command (the reason on stderr; with several, at least one);
+       doctor: some stored schedule is refused by the current settings
   2    a usage error, or cronbus could not be asked: RabbitMQ or PostgreSQL unreachable,
        access refused by the broker, no reply within --timeout
   130  interrupted (Ctrl-C)

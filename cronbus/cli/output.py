@@ -65,6 +65,15 @@ def _add_row(table: Table, cells: Sequence[str]) -> None:
     table.add_row(*(Text(cell) for cell in cells))
 
 
+def new_table(*headers: str) -> Table:
+    """A table in the commands' style, for another module's rows."""
+    return _table(*headers)
+
+
+def add_row(table: Table, cells: Sequence[str]) -> None:
+    _add_row(table, cells)
+
+
 def instant(value: Any) -> str:
     """An instant as the contract writes it (UTC, ``Z``); ``-`` for none."""
     if value is None:

@@ -454,7 +454,11 @@ class Executor:
         attempt_result = (
             "succeeded"
             if outcome.ok
-            else ("failed" if occ.attempt < occ.plan.retry.max_attempts else "dead")
+            else (
+                "failed"
+                if occ.attempt < occ.plan.retry.max_attempts and not outcome.permanent
+                else "dead"
+            )
         )
         _delivered(kind, attempt_result).inc()
         if occ.is_backfill:

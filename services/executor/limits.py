@@ -159,6 +159,10 @@ class Limits:
         return admission
 
     async def report(self, occ: Occurrence, admission: Admission, outcome: Outcome) -> None:
+        if outcome.permanent:
+            # Refused by policy before anything was sent: it says nothing of the target's
+            # health, and must not open a breaker other schedules of the rate key share.
+            return
         retry_after = outcome.retry_after_ms
         if retry_after is not None:
             retry_after = min(retry_after, self.max_retry_after_ms)

@@ -71,7 +71,11 @@ class ExecutorService(ServiceBase):
                 settings,
                 connections.index,
                 webhooks,
-                AmqpTargets(connections.amqp, sampled=self.spans is not None),
+                AmqpTargets(
+                    connections.amqp,
+                    sampled=self.spans is not None,
+                    policy=settings.exchange_policy(),
+                ),
                 audit,
                 Events(connections.amqp, settings.events),
                 stopping,

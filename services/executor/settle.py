@@ -26,6 +26,9 @@ class Outcome:
     error: str | None = None
     #: A 429 or 503 answered with Retry-After: how long it asked to wait (ms).
     retry_after_ms: int | None = None
+    #: Refused by the operator's policy before anything was sent: another attempt would be
+    #: refused the same way, so the occurrence ends dead at once (its rotation goes on).
+    permanent: bool = False
 
 
 @dataclass(slots=True)
@@ -163,7 +166,9 @@ def settle(
     *,
     final: bool = False,
 ) -> Settlement:
-    """``final``: no attempt follows, whatever the retry policy says (a poison message)."""
+    """``final``: no attempt follows, whatever the retry policy says (a poison message); nor
+    does one after a ``permanent`` failure."""
+    final = final or outcome.permanent
     if not outcome.ok and not final and backoff.attempts_left(occ.plan.retry, occ.attempt):
         # A target that said when to come back is not asked sooner.
         delay = max(backoff.delay_ms(occ.plan.retry, occ.attempt, rng), outcome.retry_after_ms or 0)

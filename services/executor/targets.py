@@ -23,7 +23,7 @@ from services.executor.secrets import SecretHeaders, SecretMissing, SigningSecre
 from services.executor.settle import Outcome
 from shared.contract import timefmt
 from shared.contract.delivery import Occurrence
-from shared.policy import limits, signing, tracing
+from shared.policy import exchanges, limits, signing, tracing
 from shared.rules.plan import AmqpPlan, WebhookPlan
 from shared.runtime import metrics
 from shared.runtime.config import ExecutorSettings
@@ -189,11 +189,22 @@ def _succeeded(status: int, codes: frozenset[int] | None) -> bool:
 
 
 class AmqpTargets:
-    """Publishes to users' exchanges with publisher confirms; ``message_id`` is the key."""
+    """Publishes to users' exchanges with publisher confirms; ``message_id`` is the key.
 
-    def __init__(self, connection: AbstractRobustConnection, sampled: bool = False) -> None:
+    The exchange is checked against ``CRONBUS_AMQP_ALLOWED_EXCHANGES`` again at every delivery:
+    a schedule stored before the setting (or its default) narrowed is refused here, not
+    published.
+    """
+
+    def __init__(
+        self,
+        connection: AbstractRobustConnection,
+        sampled: bool = False,
+        policy: exchanges.ExchangePolicy | None = None,
+    ) -> None:
         self.connection = connection
         self.sampled = sampled
+        self.policy = policy or exchanges.ExchangePolicy()
         self._channel: AbstractChannel | None = None
         self._lock = asyncio.Lock()
 
@@ -208,6 +219,9 @@ class AmqpTargets:
     async def deliver(self, occ: Occurrence, key: str) -> Outcome:
         target = occ.plan.target
         assert isinstance(target, AmqpPlan)
+        refusal = self.policy.refusal(occ.namespace, target.exchange)
+        if refusal is not None:
+            return _refused(occ, target.exchange, refusal)
         headers: dict[str, object] = dict(target.headers)
         pinned = pinned_headers(occ, key, self.sampled)
         del pinned["Idempotency-Key"]
@@ -222,11 +236,8 @@ class AmqpTargets:
         )
         try:
             channel = await self._ensure_channel()
-            exchange = (
-                await channel.get_exchange(target.exchange, ensure=False)
-                if (target.exchange)
-                else channel.default_exchange
-            )
+            # Never the default exchange: the policy above refuses "".
+            exchange = await channel.get_exchange(target.exchange, ensure=False)
             await exchange.publish(
                 message,
                 routing_key=target.routing_key,
@@ -238,3 +249,14 @@ class AmqpTargets:
         except Exception as exc:  # noqa: BLE001 - a failed attempt, retried by policy
             return Outcome(False, None, f"{type(exc).__name__}: {exc}"[:500])
         return Outcome(True)
+
+
+def _refused(occ: Occurrence, exchange: str, reason: str) -> Outcome:
+    metrics.AMQP_TARGET_REFUSED.labels(metrics.NAMESPACES(occ.namespace)).inc()
+    log.warning(
+        "amqp target refused: its exchange is not allowed (%s)",
+        exchanges.SETTING,
+        extra={"action": "amqp_refused", "schedule": occ.member, "exchange": exchange},
+    )
+    # Permanent: the policy would refuse every attempt the same way; nothing was published.
+    return Outcome(False, None, f"not published: {reason}"[:500], permanent=True)

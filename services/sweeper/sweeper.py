@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from redis.asyncio.lock import Lock
 
-from services.sweeper import backfills, drift, pending
+from services.sweeper import backfills, drift, pending, targets
 from services.sweeper.repair import Repairs
 from shared.postgres import db
 from shared.postgres.store import Store
@@ -60,9 +60,18 @@ class Sweeper(Repairs):
     # --- the loop -----------------------------------------------------------------------------
 
     async def run(self) -> None:
+        # Beside the loop, not before it: the check reads every AMQP target, and recovery must
+        # not wait for it.
+        checking = asyncio.create_task(
+            targets.report_refused(self.store, self.settings.exchange_policy(), self.stopping)
+        )
         await transient.every(
             self.settings.sweep_interval_s, self.step, what="sweep step", stopping=self.stopping
         )
+        if not checking.done():
+            checking.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await checking
         if self.rebuilding is not None and not self.rebuilding.done():
             # The rebuild lock expires by itself; another sweeper starts over ('keep' writes
             # make a second pass harmless).

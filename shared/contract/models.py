@@ -336,6 +336,10 @@ class WebhookTarget(Strict):
         return value
 
 
+#: RabbitMQ's limit on an exchange name or routing key (an AMQP short string).
+MAX_AMQP_NAME_BYTES = 255
+
+
 class AmqpTarget(Strict):
     kind: Literal["amqp"]
     exchange: str = Field(max_length=255)
@@ -358,6 +362,10 @@ class AmqpTarget(Strict):
     def _name_is_printable(cls, value: str) -> str:
         if CONTROL_RE.search(value):
             raise ValueError("must not contain control characters")
+        # The broker's limit is in bytes (a short string): 255 characters of "é" are 510, and
+        # would be accepted here only to fail at every delivery.
+        if len(value.encode("utf-8", "surrogatepass")) > MAX_AMQP_NAME_BYTES:
+            raise ValueError(f"must be at most {MAX_AMQP_NAME_BYTES} bytes in UTF-8")
         return value
 
     @field_validator("headers")

@@ -266,6 +266,16 @@ class BackfillProgress:
 
 
 @dataclass(frozen=True, slots=True)
+class AmqpTargetRow:
+    """A live schedule's AMQP target, as stored (checked again by cronbus doctor)."""
+
+    namespace: str
+    id: str
+    state: str
+    exchange: str
+
+
+@dataclass(frozen=True, slots=True)
 class LiveSchedule:
     """What a rebuild (or drift repair) needs of one schedule."""
 

@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 
 import pydantic
 
-from shared.contract import codec, commands, keys, models, timefmt
+from shared.contract import codec, commands, models, timefmt
 from shared.contract.errors import ValidationFailed
-from shared.policy import netpolicy
+from shared.policy import exchanges, netpolicy
 from shared.rules import cron, schedule
 from shared.rules.plan import AfterCompletionRule, CronRule, OnceRule, Plan, plan_of
 
@@ -43,15 +43,18 @@ class TargetPolicy:
     denied_networks: tuple[str, ...] = ()
     #: Restricted networks (loopback, private, ...) webhooks may reach nevertheless.
     allowed_networks: tuple[str, ...] = ()
-    #: Exchange globs an AMQP target may publish to.
-    allowed_exchanges: tuple[str, ...] = ("*",)
+    #: Exchange globs an AMQP target may publish to (``{namespace}``: the schedule's).
+    allowed_exchanges: tuple[str, ...] = exchanges.parse_globs(exchanges.DEFAULT)
     #: Largest JSON body stored with a schedule.
     max_body_bytes: int = 65_536
     addresses: netpolicy.AddressPolicy = field(init=False, repr=False, compare=False)
+    exchange_policy: exchanges.ExchangePolicy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         addresses = netpolicy.AddressPolicy.from_text(self.allowed_networks, self.denied_networks)
         object.__setattr__(self, "addresses", addresses)
+        policy = exchanges.ExchangePolicy(self.allowed_exchanges)
+        object.__setattr__(self, "exchange_policy", policy)
 
     def host_denied(self, host: str) -> bool:
         """True for a literal address the policy denies (names are checked at delivery, once
@@ -61,8 +64,9 @@ class TargetPolicy:
     def host_allowed(self, host: str) -> bool:
         return _host_allowed(self, host)
 
-    def exchange_allowed(self, exchange: str) -> bool:
-        return any(fnmatch.fnmatchcase(exchange, glob) for glob in self.allowed_exchanges)
+    def exchange_refusal(self, namespace: str, exchange: str) -> str | None:
+        """Why ``namespace`` may not publish to ``exchange`` (None: it may)."""
+        return self.exchange_policy.refusal(namespace, exchange)
 
 
 # Hosts repeat across schedules (a bulk import has millions of one host): answer once.
@@ -304,11 +308,13 @@ def check_namespace(namespace: str) -> None:
         ) from None
 
 
-def check_schedule(item: models.Schedule, version: int, now_ms: int, policy: TargetPolicy) -> Plan:
+def check_schedule(
+    item: models.Schedule, version: int, now_ms: int, policy: TargetPolicy, *, namespace: str
+) -> Plan:
     """The schedule's plan, or ValidationFailed(invalid_schedule) when it would never fire or
-    its target is not allowed."""
+    its target is not allowed (an AMQP target's exchange depends on the ``namespace``)."""
     plan = plan_of(item, version)
-    details = _target_problems(item.target, policy) + _firing_problems(plan, now_ms)
+    details = _target_problems(item.target, policy, namespace) + _firing_problems(plan, now_ms)
     if details:
         raise ValidationFailed("invalid_schedule", _summary(details), details)
     return plan
@@ -328,7 +334,7 @@ def _denied_reason(policy: TargetPolicy, host: str) -> str:
 
 
 def _target_problems(
-    target: models.WebhookTarget | models.AmqpTarget, policy: TargetPolicy
+    target: models.WebhookTarget | models.AmqpTarget, policy: TargetPolicy, namespace: str
 ) -> list[FieldError]:
     problems: list[FieldError] = []
     if target.body is not None and len(codec.dumps(target.body)) > policy.max_body_bytes:
@@ -351,28 +357,10 @@ def _target_problems(
                 }
             )
         return problems
-    problems.extend(_exchange_problems(target))
-    if not policy.exchange_allowed(target.exchange):
-        problems.append(
-            {
-                "field": "target.exchange",
-                "reason": f"exchange {target.exchange!r} is not in the allowed exchanges",
-            }
-        )
+    refusal = policy.exchange_refusal(namespace, target.exchange)
+    if refusal is not None:
+        problems.append({"field": "target.exchange", "reason": refusal})
     return problems
-
-
-def _exchange_problems(target: models.AmqpTarget) -> list[FieldError]:
-    if target.exchange.startswith(keys.RESERVED_EXCHANGE_PREFIXES):
-        return [{"field": "target.exchange", "reason": f"{target.exchange!r} is reserved"}]
-    if not target.exchange and target.routing_key.startswith(keys.RESERVED_EXCHANGE_PREFIXES):
-        return [
-            {
-                "field": "target.routing_key",
-                "reason": f"the default exchange may not route to {target.routing_key!r}",
-            }
-        ]
-    return []
 
 
 def _firing_problems(plan: Plan, now_ms: int) -> list[FieldError]:

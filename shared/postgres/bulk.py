@@ -74,7 +74,7 @@ def _prepare_one(
 ) -> Prepared | FieldErrors:
     try:
         item = models.Schedule.model_validate_json(raw)
-        plan = validation.check_schedule(item, 0, now_ms, policy)
+        plan = validation.check_schedule(item, 0, now_ms, policy, namespace=namespace)
     except pydantic.ValidationError as exc:
         return validation.field_errors(exc)
     except ValidationFailed as failure:

@@ -18,6 +18,7 @@ import asyncpg
 from shared.contract import codec, keys
 from shared.contract.errors import StoreError
 from shared.contract.rows import (
+    AmqpTargetRow,
     AppliedCommand,
     Backfill,
     BackfillProgress,
@@ -477,6 +478,21 @@ class Store:
         comes after ``after`` (``("", "")``: from the first), in key order."""
         records = await self.pool.fetch(QUERIES["live_versions_after"], *after, limit)
         return [(r["namespace"], r["id"], r["version"]) for r in records]
+
+    async def amqp_targets(self, batch: int) -> AsyncIterator[list[AmqpTargetRow]]:
+        """Every active or paused schedule with an AMQP target, ``batch`` at a time, in key
+        order; keyset pages, each its own short statement (no snapshot held for long)."""
+        after = ("", "")
+        while True:
+            records = await self.pool.fetch(QUERIES["amqp_targets_after"], *after, batch)
+            if records:
+                yield [
+                    AmqpTargetRow(r["namespace"], r["id"], r["state"], r["exchange"] or "")
+                    for r in records
+                ]
+            if len(records) < batch:
+                return
+            after = (records[-1]["namespace"], records[-1]["id"])
 
     async def schedule_states(
         self, members: Sequence[tuple[str, str]]

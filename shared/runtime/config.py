@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.contract.validation import TargetPolicy
-from shared.policy import netpolicy
+from shared.policy import exchanges, netpolicy
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -68,6 +68,10 @@ class CommonSettings(BaseSettings):
     #: JSON file of per-namespace max_schedules and max_fires_per_s (see Quotas); empty: no
     #: quotas.
     quotas_file: str = ""
+    #: Comma-separated exchange globs AMQP targets may publish to; {namespace} stands for the
+    #: schedule's namespace. The default exchange (""), amq.* and cronbus.* are refused
+    #: whatever this says. Checked at upsert, at every delivery and by cronbus doctor.
+    amqp_allowed_exchanges: str = exchanges.DEFAULT
 
     @field_validator("redis_url", "amqp_url", "database_url")
     @classmethod
@@ -105,6 +109,9 @@ class CommonSettings(BaseSettings):
     def sentinel_addresses(self) -> list[tuple[str, int]]:
         """The Sentinels' (host, port), in the order given; empty without Sentinel."""
         return host_ports(self.redis_sentinels)
+
+    def exchange_policy(self) -> exchanges.ExchangePolicy:
+        return exchanges.ExchangePolicy.from_text(self.amqp_allowed_exchanges)
 
 
 def host_ports(value: str) -> list[tuple[str, int]]:
@@ -176,8 +183,6 @@ class DispatcherSettings(WebhookPolicySettings):
     commands_commit_workers: int = Field(default=2, ge=1, le=32)
     #: Largest command body accepted; a larger one is refused with code too_large.
     max_command_bytes: int = Field(default=262_144, ge=1024, le=64 * 1024 * 1024)
-    #: Comma-separated exchange globs AMQP targets may publish to.
-    amqp_allowed_exchanges: str = "*"
     #: Largest JSON body a target may carry.
     max_body_bytes: int = Field(default=65_536, ge=0)
 
@@ -186,7 +191,7 @@ class DispatcherSettings(WebhookPolicySettings):
             allowed_hosts=_csv(self.webhook_allowed_hosts),
             denied_networks=_csv(self.webhook_denied_networks),
             allowed_networks=_csv(self.webhook_allowed_networks),
-            allowed_exchanges=_csv(self.amqp_allowed_exchanges),
+            allowed_exchanges=self.exchange_policy().globs,
             max_body_bytes=self.max_body_bytes,
         )
 

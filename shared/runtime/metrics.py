@@ -69,6 +69,13 @@ WEBHOOK_REFUSED = Counter(
     "Webhook attempts refused: the host resolved to an address not allowed, or the host "
     "is not in CRONBUS_WEBHOOK_ALLOWED_HOSTS.",
 )
+AMQP_TARGET_REFUSED = Counter(
+    "cronbus_amqp_target_refused_total",
+    "AMQP deliveries refused, nothing published: the exchange is not allowed for the "
+    "schedule's namespace (CRONBUS_AMQP_ALLOWED_EXCHANGES, or reserved), per namespace "
+    "(bounded by CRONBUS_METRICS_MAX_NAMESPACES).",
+    ["namespace"],
+)
 RETRIES = Counter("cronbus_retries_total", "Occurrences put back for another attempt.")
 BACKFILL_DELIVERED = Counter(
     "cronbus_backfill_delivered_total",
@@ -223,6 +230,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
     ),
     "executor": (
         DELIVERED,
+        AMQP_TARGET_REFUSED,
         BACKFILL_DELIVERED,
         RETRIES,
         DEAD,

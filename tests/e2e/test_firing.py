@@ -210,7 +210,8 @@ async def test_amqp_target_and_trigger(
 ) -> None:
     connection = await aio_pika.connect(amqp_url)
     channel = await connection.channel()
-    exchange = await channel.declare_exchange("billing", aio_pika.ExchangeType.DIRECT)
+    # The namespace's own exchange: by default a namespace publishes only to {namespace}(.*).
+    exchange = await channel.declare_exchange("acme.billing", aio_pika.ExchangeType.DIRECT)
     queue = await channel.declare_queue("billing-reminders", exclusive=True)
     await queue.bind(exchange, routing_key="remind")
     try:
@@ -224,7 +225,7 @@ async def test_amqp_target_and_trigger(
                     "spec": {"kind": "interval", "every_s": 3600},
                     "target": {
                         "kind": "amqp",
-                        "exchange": "billing",
+                        "exchange": "acme.billing",
                         "routing_key": "remind",
                         "headers": {"x-tenant": "acme"},
                         "body": {"invoice": 42},

@@ -75,6 +75,59 @@ REPORTED: list[tuple[str, dict[str, Any] | bytes, str]] = [
 ]
 
 
+def with_amqp(**target: Any) -> dict[str, Any]:
+    return upsert(target={"kind": "amqp", "exchange": "acme.jobs", "routing_key": "r", **target})
+
+
+#: AMQP targets a tenant might try: another namespace's exchange, the broker's and cronbus's own,
+#: the default exchange, glob characters (an exchange name is never read as a glob), names the
+#: broker cannot take, and hostile routing keys and headers. (namespace, body, field.)
+HOSTILE_AMQP: list[tuple[str, dict[str, Any] | bytes, str]] = [
+    ("acme", with_amqp(exchange="billing"), "target.exchange"),
+    ("acme", with_amqp(exchange="billing.jobs"), "target.exchange"),
+    ("acme", with_amqp(exchange=""), "target.exchange"),
+    ("acme", with_amqp(exchange="", routing_key="cronbus.commands"), "target.exchange"),
+    ("acme", with_amqp(exchange="amq.x"), "target.exchange"),
+    ("acme", with_amqp(exchange="amq.topic"), "target.exchange"),
+    ("acme", with_amqp(exchange="AMQ.direct"), "target.exchange"),
+    ("acme", with_amqp(exchange="cronbus.commands"), "target.exchange"),
+    ("acme", with_amqp(exchange="cronbus.deliveries"), "target.exchange"),
+    ("acme", with_amqp(exchange="*"), "target.exchange"),
+    ("acme", with_amqp(exchange="acme*"), "target.exchange"),
+    ("acme", with_amqp(exchange="[a]cme"), "target.exchange"),
+    ("acme", with_amqp(exchange="acme[.x"), "target.exchange"),
+    ("acme", with_amqp(exchange="?cme.jobs"), "target.exchange"),
+    ("acme", with_amqp(exchange="Acme.jobs"), "target.exchange"),
+    ("acme", with_amqp(exchange="acme.jobs\x00"), "target.exchange"),
+    ("acme", with_amqp(exchange="acme.\x00"), "target.exchange"),
+    ("acme", with_amqp(exchange="acme.j\x7fobs"), "target.exchange"),
+    ("acme", with_amqp(exchange="acme." + "x" * 300), "target.exchange"),
+    ("acme", with_amqp(exchange="acme." + "\u00e9" * 200), "target.exchange"),
+    ("acme", with_amqp(exchange=None), "target.exchange"),
+    ("acme", with_amqp(exchange=["acme"]), "target.exchange"),
+    ("acme", with_amqp(routing_key="r\x00"), "target.routing_key"),
+    ("acme", with_amqp(routing_key="r" * 256), "target.routing_key"),
+    ("acme", with_amqp(routing_key="\u00e9" * 200), "target.routing_key"),
+    ("acme", with_amqp(headers={"x-a": "v\x00"}), "target.headers.x-a"),
+    ("acme", with_amqp(headers={"x-a\n": "v"}), "target.headers"),
+    ("acme", with_amqp(headers={"x-a": {"deep": 1}}), "target.headers.x-a"),
+    ("acme", with_amqp(headers={"x" * 70_000: "v"}), "target.headers"),
+    # Not UTF-8 (a lone surrogate, a stray byte): the body cannot be read at all.
+    (
+        "acme",
+        b'{"schedule": {"id": "s", "spec": {"kind": "interval", "every_s": 60}, '
+        b'"target": {"kind": "amqp", "exchange": "acme.\\ud800"}}}',
+        "(body)",
+    ),
+    (
+        "acme",
+        b'{"schedule": {"id": "s", "spec": {"kind": "interval", "every_s": 60}, '
+        b'"target": {"kind": "amqp", "exchange": "acme.\xff"}}}',
+        "(body)",
+    ),
+]
+
+
 @dataclass
 class Replies:
     """Replies by correlation id, on a server-named queue of the test's own."""
@@ -243,6 +296,41 @@ async def test_each_reported_stall_is_answered_with_the_field_and_nothing_is_sto
     assert queues[keys.COMMANDS_QUEUE] == (0, 0), queues
 
 
+async def test_hostile_amqp_targets_are_refused_naming_the_field_and_the_intake_goes_on(
+    stack: Stack,
+    replies: Replies,
+    client: CommandClient,
+    endpoints: services.Endpoints,
+    redis_prefix: str,
+    database_url: str,
+) -> None:
+    await stack.start_all(("dispatcher",))
+    sent: dict[str, tuple[Any, str]] = {}
+    for namespace, body, field_name in HOSTILE_AMQP:
+        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+        sent[await replies.publish(f"{namespace}.upsert", payload)] = (body, field_name)
+    assert await replies.wait(set(sent), 15) == set(), stack.tails()
+    for cid, (body, field_name) in sent.items():
+        reply = replies.got[cid]
+        assert reply["ok"] is False, (body, reply)
+        fields = [d["field"] for d in reply["error"]["details"]]
+        assert any(f == field_name or f.startswith(field_name + ".") for f in fields), (
+            field_name,
+            reply,
+        )
+    # The namespace's own exchanges, glob characters and all (a name is never a glob).
+    for schedule_id, exchange in (("own", "acme"), ("child", "acme.jobs"), ("star", "acme.*")):
+        body = with_amqp(exchange=exchange)
+        body["schedule"]["id"] = schedule_id
+        reply = await client.send("acme", "upsert", body)
+        assert reply["ok"] is True, (exchange, reply)
+    started = time.monotonic()
+    fine = await client.send("acme", "upsert", upsert("fine"), timeout_s=5)
+    assert fine["ok"] is True and time.monotonic() - started < 1.0
+    found = {s for s in await stored(database_url, endpoints, redis_prefix) if s.startswith("pg:")}
+    assert found == {"pg:acme/own", "pg:acme/child", "pg:acme/star", "pg:acme/fine"}
+
+
 async def test_replies_go_only_to_server_named_or_direct_reply_queues(
     stack: Stack,
     replies: Replies,
@@ -311,6 +399,11 @@ VALID: dict[str, dict[str, Any]] = {
     ),
     "list": {"limit": 5, "labels": {"team": "a"}, "cursor": None},
 }
+#: The upsert the fuzz mutates half the time: an AMQP target on the namespace's own exchange.
+VALID_AMQP = upsert(
+    "base-amqp",
+    target={"kind": "amqp", "exchange": "fz.jobs", "routing_key": "r", "headers": {"x-a": "1"}},
+)
 PRINTABLE_OR_NOT = st.characters(blacklist_categories=["Cs"])
 HOSTILE_TEXT = st.one_of(
     st.text(PRINTABLE_OR_NOT, max_size=30),
@@ -332,12 +425,33 @@ HOSTILE_TEXT = st.one_of(
     ),
     st.integers(1, 70_000).map(lambda n: "x" * n),
 )
+#: Exchange names and routing keys a tenant might try (mostly reach the exchange policy).
+HOSTILE_EXCHANGES = st.sampled_from(
+    [
+        "",
+        "amq.x",
+        "amq.topic",
+        "AMQ.fz",
+        "cronbus.commands",
+        "cronbus.events",
+        "billing",
+        "fz",
+        "fz.*",
+        "fz*",
+        "*",
+        "[f]z.x",
+        "fz.\x00",
+        "fz." + "\u00e9" * 130,
+        "fz." + "x" * 260,
+    ]
+)
 HOSTILE_LEAVES = (
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**80), max_value=2**80)
     | st.floats(allow_nan=False, allow_infinity=False)
     | HOSTILE_TEXT
+    | HOSTILE_EXCHANGES
 )
 HOSTILE_JSON = st.recursive(
     HOSTILE_LEAVES,
@@ -365,6 +479,8 @@ def _replaced(value: Any, path: tuple[Any, ...], new: Any) -> Any:
 @st.composite
 def mutated_body(draw: st.DrawFn, verb: str) -> bytes:
     body: Any = VALID.get(verb, {"id": "base"})
+    if verb == "upsert" and draw(st.booleans()):
+        body = VALID_AMQP
     for _ in range(draw(st.integers(1, 3))):
         # Mostly a field inside the command (the whole body is replaced now and then).
         path = draw(st.sampled_from(_paths(body)[1:] * 4 + [()]))
@@ -553,11 +669,20 @@ async def test_fuzz_thousands_of_hostile_commands_never_stall_the_intake(
         code = "ok" if reply.get("ok") else reply["error"]["code"]
         codes[code] = codes.get(code, 0) + 1
     assert "internal" not in codes, codes
+    # The AMQP template and the hostile exchange names reached the exchange policy.
+    exchange_refusals = sum(
+        1
+        for reply in replies.got.values()
+        if not reply.get("ok")
+        and any(d.get("field") == "target.exchange" for d in reply["error"].get("details") or [])
+    )
+    assert exchange_refusals > 0
     print(
         f"fuzz: {len(commands)} commands tried in {elapsed:.1f} s, {len(answered_by)} answered, "
         f"{not_ours} without a reply queue (dead-lettered), stalls 0, refused but stored "
         f"{len(refused_but_stored)}, accepted {len(accepted) - 1}; next command answered in "
-        f"{answer_s * 1000:.0f} ms; reply codes {codes}"
+        f"{answer_s * 1000:.0f} ms; reply codes {codes}; target.exchange refused "
+        f"{exchange_refusals}"
     )
 
 

@@ -19,10 +19,10 @@ async def test_an_amqp_backfill_delivery_carries_the_header(amqp_url: str) -> No
     connection = await aio_pika.connect_robust(amqp_url)
     try:
         channel = await connection.channel()
-        exchange = await channel.declare_exchange("acme", aio_pika.ExchangeType.TOPIC)
+        exchange = await channel.declare_exchange("ns.jobs", aio_pika.ExchangeType.TOPIC)
         queue = await channel.declare_queue(exclusive=True)
         await queue.bind(exchange, "remind")
-        plan = Plan(version=1, rule=IntervalRule(60_000), target=AmqpPlan("acme", "remind"))
+        plan = Plan(version=1, rule=IntervalRule(60_000), target=AmqpPlan("ns.jobs", "remind"))
         received = []
         for member in (keys.backfill_member("ns", "s"), keys.member("ns", "s")):
             item = entries.Claimed(0, member, NOMINAL, NOMINAL, 1, 9, 1, compact.encode(plan))

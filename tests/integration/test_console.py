@@ -39,7 +39,9 @@ def _row(namespace: str, schedule_id: str, **extra: Any) -> NewScheduleRow:
             "labels": extra.pop("labels", {}),
         }
     )
-    plan = validation.check_schedule(item, 1, _now_ms(), validation.TargetPolicy())
+    plan = validation.check_schedule(
+        item, 1, _now_ms(), validation.TargetPolicy(), namespace=namespace
+    )
     return NewScheduleRow(
         namespace,
         schedule_id,

@@ -35,7 +35,7 @@ def every(schedule_id: str, labels: dict[str, str] | None = None) -> dict[str, A
 def upsert_item(namespace: str, raw: dict[str, Any]) -> batch.UpsertItem:
     schedule = validation.parse_schedule(raw)
     plan = validation.check_schedule(
-        schedule, 0, int(time.time() * 1000), validation.TargetPolicy()
+        schedule, 0, int(time.time() * 1000), validation.TargetPolicy(), namespace=namespace
     )
     audit = CommandAudit(namespace, "upsert", raw["id"], "ok")
     return batch.UpsertItem(namespace, schedule, plan, audit=audit)

@@ -129,7 +129,7 @@ class Checks:
         received.command = validation.parse_command(verb, received.parsed)
         if isinstance(received.command, commands.UpsertCommand):
             received.plan = validation.check_schedule(
-                received.command.schedule, 0, self.now_ms(), self.policy
+                received.command.schedule, 0, self.now_ms(), self.policy, namespace=namespace
             )
         elif isinstance(received.command, commands.UpsertManyCommand):
             now = self.now_ms()
@@ -142,7 +142,7 @@ class Checks:
     ) -> batch.UpsertItem | ValidationFailed:
         try:
             item = validation.parse_schedule(raw)
-            plan = validation.check_schedule(item, 0, now_ms, self.policy)
+            plan = validation.check_schedule(item, 0, now_ms, self.policy, namespace=namespace)
         except ValidationFailed as failure:
             return failure
         return batch.UpsertItem(namespace, item, plan)

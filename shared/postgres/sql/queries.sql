@@ -246,6 +246,16 @@ WHERE (namespace, id) > ($1::text, $2::text) AND state IN ('active', 'paused')
 ORDER BY namespace, id
 LIMIT $3;
 
+-- amqp_targets_after --
+-- The next page of live schedules with an AMQP target, in key order after ($1, $2): what
+-- cronbus doctor and the sweeper at start check against CRONBUS_AMQP_ALLOWED_EXCHANGES.
+SELECT namespace, id, state, definition -> 'target' ->> 'exchange' AS exchange
+FROM schedules
+WHERE (namespace, id) > ($1::text, $2::text) AND state IN ('active', 'paused')
+  AND definition -> 'target' ->> 'kind' = 'amqp'
+ORDER BY namespace, id
+LIMIT $3;
+
 -- schedule_states --
 -- The state and version of the given schedules (index entries without a live row are
 -- orphans, and so are those older than a completed row).

@@ -13,6 +13,8 @@ from shared.contract.errors import ValidationFailed
 from shared.rules import schedule as schedule_math
 
 NOW = timefmt.parse_rfc3339_ms("2026-11-22T12:00:00Z")
+#: The namespace the schedules are checked in (AMQP targets may publish to its exchanges).
+NAMESPACE = "billing"
 
 PINNED_UPSERT: dict[str, Any] = {
     "schedule": {
@@ -50,7 +52,9 @@ def refused(verb: str, body: Any) -> ValidationFailed:
     with pytest.raises(ValidationFailed) as caught:
         command = validation.parse_command(verb, body)
         if isinstance(command, commands.UpsertCommand):
-            validation.check_schedule(command.schedule, 1, NOW, validation.TargetPolicy())
+            validation.check_schedule(
+                command.schedule, 1, NOW, validation.TargetPolicy(), namespace=NAMESPACE
+            )
     return caught.value
 
 
@@ -235,8 +239,14 @@ def test_only_id_spec_and_target_are_required() -> None:
                 )
             },
             "invalid_schedule",
-            "target.routing_key",
+            "target.exchange",
             "default exchange",
+        ),
+        (
+            {"schedule": schedule(target={"kind": "amqp", "exchange": "payroll"})},
+            "invalid_schedule",
+            "target.exchange",
+            "CRONBUS_AMQP_ALLOWED_EXCHANGES",
         ),
         (
             {
@@ -340,14 +350,14 @@ def test_operator_policy_limits_hosts_exchanges_and_bodies() -> None:
     )
     assert isinstance(command, commands.UpsertCommand)
     with pytest.raises(ValidationFailed) as caught:
-        validation.check_schedule(command.schedule, 1, NOW, policy)
+        validation.check_schedule(command.schedule, 1, NOW, policy, namespace=NAMESPACE)
     fields = {d["field"] for d in caught.value.details}
     assert fields == {"target.url", "target.body"}
     ok = validation.parse_command(
         "upsert", {"schedule": schedule(target={"kind": "amqp", "exchange": "jobs.nightly"})}
     )
     assert isinstance(ok, commands.UpsertCommand)
-    validation.check_schedule(ok.schedule, 1, NOW, policy)
+    validation.check_schedule(ok.schedule, 1, NOW, policy, namespace=NAMESPACE)
 
 
 def _webhook(**target: Any) -> dict[str, Any]:
@@ -451,6 +461,7 @@ def test_an_interval_ends_at_the_last_fire_before_the_year_10000() -> None:
         1,
         timefmt.parse_rfc3339_ms("9999-12-29T00:00:00Z"),
         validation.TargetPolicy(),
+        namespace=NAMESPACE,
     )
     upcoming = schedule_math.upcoming(plan, timefmt.parse_rfc3339_ms("9999-12-29T00:00:00Z"), 5)
     assert [timefmt.format_ms(t) for t in upcoming] == [
@@ -521,7 +532,9 @@ def test_any_body_is_a_command_or_a_field_error(data: st.DataObject, verb: str) 
     try:
         command = validation.parse_command(verb, body)
         if isinstance(command, commands.UpsertCommand):
-            validation.check_schedule(command.schedule, 1, NOW, validation.TargetPolicy())
+            validation.check_schedule(
+                command.schedule, 1, NOW, validation.TargetPolicy(), namespace=NAMESPACE
+            )
     except ValidationFailed as failure:
         assert failure.details or failure.code == "unknown_verb"
 
@@ -598,7 +611,7 @@ def test_a_refused_webhook_names_the_setting_that_refuses_it(
     command = validation.parse_command("upsert", _webhook(url=url))
     assert isinstance(command, commands.UpsertCommand)
     with pytest.raises(ValidationFailed) as caught:
-        validation.check_schedule(command.schedule, 1, NOW, policy)
+        validation.check_schedule(command.schedule, 1, NOW, policy, namespace=NAMESPACE)
     (detail,) = caught.value.details
     assert detail["field"] == "target.url" and setting in detail["reason"]
     if "DENIED" in setting:

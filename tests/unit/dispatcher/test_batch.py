@@ -19,7 +19,7 @@ def item(schedule_id: str, every_s: int, expected: int | None = None) -> batch.U
             "target": {"kind": "webhook", "url": "http://billing.example:9/h"},
         }
     )
-    plan = validation.check_schedule(schedule, 0, NOW, validation.TargetPolicy())
+    plan = validation.check_schedule(schedule, 0, NOW, validation.TargetPolicy(), namespace="ns")
     return batch.UpsertItem("ns", schedule, plan, expected)
 
 
@@ -107,7 +107,7 @@ def test_a_once_in_the_past_is_accepted_with_a_warning() -> None:
             "target": {"kind": "webhook", "url": "http://billing.example:9/h"},
         }
     )
-    plan = validation.check_schedule(schedule, 0, NOW, validation.TargetPolicy())
+    plan = validation.check_schedule(schedule, 0, NOW, validation.TargetPolicy(), namespace="ns")
     (reply,) = batch.apply_upserts([batch.UpsertItem("ns", schedule, plan)], {}, NOW, NOW).results
     assert isinstance(reply, dict) and reply["ok"] is True
     (warning,) = reply["warnings"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from services.executor import settle
 from shared.contract.delivery import Occurrence
 from shared.contract.entries import split_tail
@@ -73,3 +75,19 @@ def test_a_late_completion_marks_the_next_occurrence_it_chose() -> None:
 def test_retries_and_triggers_are_never_judged() -> None:
     plan = skip_plan()
     assert settle.missed_choice(occurrence(plan, 100 * SECOND, attempt=2), 10**9) == 100 * SECOND
+
+
+def test_a_permanent_failure_ends_dead_at_once_and_the_rotation_goes_on() -> None:
+    plan = Plan(version=1, rule=IntervalRule(10 * SECOND), target=WebhookPlan("http://sink/x"))
+    occ = occurrence(plan, 100 * SECOND)
+    assert plan.retry.max_attempts > 1
+    refused = settle.Outcome(False, None, "not published: refused by policy", permanent=True)
+    settlement = settle.settle(occ, "key", refused, 100_000, 100_010, 100_010, random.Random(0))
+    assert settlement.event == "dead" and settlement.retry_delay_ms is None
+    assert settlement.row.status == "dead" and settlement.row.attempts == 1
+    assert settlement.row.error == "not published: refused by policy"
+    assert settlement.completion is not None and settlement.completion.next_fire_ms is not None
+    # An ordinary failure with attempts left is retried.
+    failed = settle.Outcome(False, None, "HTTP 500")
+    again = settle.settle(occ, "key", failed, 100_000, 100_010, 100_010, random.Random(0))
+    assert again.event == "failed" and again.retry_delay_ms is not None

@@ -129,7 +129,9 @@ def upsert_errors(url: str) -> list[dict[str, str]]:
     with pytest.raises(ValidationFailed) as caught:
         command = validation.parse_command("upsert", body)
         assert isinstance(command, commands.UpsertCommand)
-        validation.check_schedule(command.schedule, 1, 1_800_000_000_000, validation.TargetPolicy())
+        validation.check_schedule(
+            command.schedule, 1, 1_800_000_000_000, validation.TargetPolicy(), namespace="ns"
+        )
     return caught.value.details
 
 
@@ -186,4 +188,4 @@ def test_literal_addresses_are_checked_at_upsert_against_the_policy() -> None:
         },
     )
     assert isinstance(command, commands.UpsertCommand)
-    validation.check_schedule(command.schedule, 1, 1_800_000_000_000, allowed)
+    validation.check_schedule(command.schedule, 1, 1_800_000_000_000, allowed, namespace="ns")

@@ -223,7 +223,9 @@ def test_bad_exclusions_name_the_entry_and_the_reason(
 def test_an_exclusion_of_every_time_is_refused_naming_spec_exclude() -> None:
     item = schedule_of([{"cron": "* * * * *"}])
     with pytest.raises(ValidationFailed) as caught:
-        validation.check_schedule(item, 1, T("2027-01-01T00:00:00Z"), validation.TargetPolicy())
+        validation.check_schedule(
+            item, 1, T("2027-01-01T00:00:00Z"), validation.TargetPolicy(), namespace="ns"
+        )
     assert caught.value.code == "invalid_schedule"
     assert "spec.exclude" in [d["field"] for d in caught.value.details]
 
