@@ -9,7 +9,6 @@ console in this process and times each page over HTTP, the way a browser would a
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import statistics
@@ -20,6 +19,7 @@ import aiohttp
 import asyncpg
 from aiohttp import web
 
+from cronbus.cli import procs
 from cronbus.cli.common import CliError
 from services.console.readmodel import ReadModel
 from services.console.web import Console
@@ -222,7 +222,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    return asyncio.run(_run(args))
+    # It starts no process, but a signal still ends it in order (its connections closed).
+    return procs.run_until_signal(_run(args))
 
 
 def add_kind(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:

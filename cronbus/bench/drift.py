@@ -79,8 +79,7 @@ async def _passes(
 
 
 def run(args: argparse.Namespace) -> int:
-    harness.emit(args, asyncio.run(_drift(args)))
-    return 0
+    return harness.report(args, _drift(args))
 
 
 def add_kind(kinds: Kinds) -> argparse.ArgumentParser:

@@ -59,12 +59,12 @@ async def _measured(
     await asyncio.sleep(max(due_ms / 1000 - time.time(), 0))
     await sink.wait_for(lambda s: len(s.received) >= n + small, timeout_s=args.timeout_s)
     await asyncio.sleep(args.settle_s)
+    harness.require_arrivals(len(sink.received), "delivery", run, args.timeout_s)
     return fairness_figures(n, small, due_ms, list(sink.received))
 
 
 def run(args: argparse.Namespace) -> int:
-    harness.emit(args, asyncio.run(harness.with_services(args, _measured)))
-    return 0
+    return harness.report(args, harness.with_services(args, _measured))
 
 
 def add_kind(kinds: Kinds) -> argparse.ArgumentParser:

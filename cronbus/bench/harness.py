@@ -17,13 +17,14 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
@@ -42,6 +43,13 @@ from shared.redis import connection, index
 from shared.runtime.config import CommonSettings
 
 NAMESPACE = "bench"
+#: Seconds between looks at whether the run's services are still running.
+WATCH_S = 0.5
+#: CRONBUS_SHUTDOWN_GRACE_S of the bench's services: what they were doing when the run ends
+#: is of no use to anyone (the corner is dropped), so a signal ends a run in seconds.
+SERVICE_GRACE_S = 5
+
+T = TypeVar("T")
 LOCAL_POLICY = validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK)
 
 #: The ``KIND`` subcommands of ``cronbus bench``, each benchmark adds its own.
@@ -160,12 +168,37 @@ class Run:
     async def ready(self) -> None:
         for process in self.processes:
             await process.wait_ready(120)
+        # Said on stderr (stdout holds the figures): progress, and the PIDs the bench owns.
+        pids = " ".join(f"{p.name}={p.pid}" for p in self.processes)
+        print(f"cronbus bench: services ready: {pids}", file=sys.stderr, flush=True)
+
+    def exited(self) -> str | None:
+        """Why the run's figures cannot be the services': one of them exited, and how."""
+        for process in self.processes:
+            code = process.popen.poll()
+            if code is not None:
+                return (
+                    f"{process.name} (pid {process.pid}) exited with status {code} during the "
+                    f"run; no figures. Its log ends:\n{process.tail(20)}"
+                )
+        return None
+
+    def states(self) -> str:
+        """Each service's state, for a reason given instead of figures."""
+        return ", ".join(
+            f"{p.name} {'running' if p.alive() else f'exited ({p.popen.returncode})'}"
+            for p in self.processes
+        )
 
     def cpu_seconds(self) -> float:
         return sum(p.cpu_seconds() for p in self.processes)
 
     def pids(self, name: str) -> set[int]:
         return {p.pid for p in self.processes if p.name == name}
+
+    def stop(self) -> None:
+        """Every service of the run: SIGTERM to its group, then SIGKILL after their grace."""
+        procs.stop_all(self.processes, SERVICE_GRACE_S + 5)
 
 
 def _port(url: str, default: int) -> int:
@@ -296,6 +329,7 @@ def service_env(args: argparse.Namespace) -> dict[str, str]:
         "CRONBUS_LOG_LEVEL": "WARNING",
         "CRONBUS_EVENTS": args.events,
         "CRONBUS_MIGRATE_ON_START": "false",
+        "CRONBUS_SHUTDOWN_GRACE_S": str(SERVICE_GRACE_S),
         # The sink listens on loopback.
         "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
     }
@@ -415,16 +449,53 @@ async def with_services(
                 env = service_env(args)
                 if extra_env is not None:
                     env |= extra_env(Path(logs))
-                run.start("dispatcher", args.dispatchers, env)
-                run.start("executor", args.executors, env)
-                run.start("sweeper", 1, env)
                 try:
+                    run.start("dispatcher", args.dispatchers, env)
+                    run.start("executor", args.executors, env)
+                    run.start("sweeper", 1, env)
                     await run.ready()
-                    return await measure(args, found, run, sink)
+                    return await watched(run, measure(args, found, run, sink))
                 finally:
-                    procs.stop_all(run.processes)
+                    run.stop()
     finally:
         await sink.stop()
+
+
+async def watched(run: Run, work: Awaitable[T]) -> T:
+    """``work``, failed at once with the reason when a service of ``run`` exits meanwhile
+    (its figures could no longer be the services', and waiting for them would be silent)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=WATCH_S)
+            if done:
+                return task.result()
+            reason = run.exited()
+            if reason is not None:
+                raise CliError(reason)
+    finally:
+        if not task.done():
+            task.cancel()
+            # Its own failure, if any, is not the reason this run ends.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+def report(args: argparse.Namespace, measure: Coroutine[Any, Any, dict[str, Any]]) -> int:
+    """A benchmark's handler: its figures printed, or none and the reason (``CliError``, exit
+    status 2) or the signal that stopped it (``procs.Interrupted``), never nothing and 0."""
+    figures = procs.run_until_signal(measure)
+    emit(args, figures)
+    return 0
+
+
+def require_arrivals(arrived: int, what: str, run: Run, timeout_s: float) -> None:
+    """Nothing arrived: there are no figures to give, only the reason."""
+    if arrived == 0:
+        raise CliError(
+            f"no {what} arrived within {timeout_s:g}s ({run.states()}); no figures: "
+            "is the sink reachable from the executors, and the machine not overloaded?"
+        )
 
 
 def meter_of(run: Run, sink: AnySink) -> Meter:

@@ -137,8 +137,7 @@ def run(args: argparse.Namespace) -> int:
     if args.n < 1 or args.duration <= 0:
         raise SystemExit("cronbus bench held: --n must be >= 1 and --duration > 0")
     sink = Sink(respond=lambda _: 404, keep=True)
-    harness.emit(args, asyncio.run(harness.with_services(args, _measured, own_sink=sink)))
-    return 0
+    return harness.report(args, harness.with_services(args, _measured, own_sink=sink))
 
 
 def add_kind(kinds: Kinds) -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from typing import Any
 
 from cronbus.bench import harness
 from cronbus.bench.harness import AnySink, Corner, ExternalSink, Kinds, Run
+from cronbus.cli.common import CliError
 from cronbus.cli.sink import Received, Sink
 from shared.contract import codec
 
@@ -112,6 +113,7 @@ async def _measured(
     cpu_after = meter.sample()
     await asyncio.sleep(args.settle_s)  # late duplicates, if any, arrive meanwhile
     received = await harness.arrived(sink, found)
+    harness.require_arrivals(len(received), "delivery", run, args.timeout_s)
     figures = herd_figures(
         n, due_ms, received, bytes_per, import_s, harness.cpu_figures(cpu_before, cpu_after, n)
     )
@@ -121,9 +123,10 @@ async def _measured(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.n < 1:
+        raise CliError("--n: at least 1 schedule")
     extra_env = feature_env if args.features else None
-    harness.emit(args, asyncio.run(harness.with_services(args, _measured, extra_env)))
-    return 0
+    return harness.report(args, harness.with_services(args, _measured, extra_env))
 
 
 def add_kind(kinds: Kinds) -> argparse.ArgumentParser:

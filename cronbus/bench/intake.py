@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
 import time
 import uuid
@@ -22,7 +23,6 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from cronbus.bench import harness
 from cronbus.bench.harness import Kinds
-from cronbus.cli import procs
 from cronbus.cli.common import CliError
 from shared.contract import codec, keys
 from shared.runtime.config import CommonSettings
@@ -32,6 +32,7 @@ NAMESPACE = "bench"
 MANY_CHUNK = 1000
 
 Body = Callable[[int], dict[str, Any]]
+Figures = dict[str, Any]
 
 
 def schedule_of(i: int) -> dict[str, Any]:
@@ -65,12 +66,25 @@ class Client:
             self.done.set()
 
     async def run(self, verb: str, bodies: list[bytes], timeout_s: float) -> float:
-        """Seconds from the first publish to the last reply."""
-        exchange = await self.channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
-        routing_key = keys.command_routing_key(NAMESPACE, verb)
+        """Seconds from the first publish to the last reply; at most ``timeout_s`` in all,
+        publishing included (a window that never frees up would otherwise wait forever)."""
         self.done.clear()
         self.waiting = len(bodies)
         started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._publish_all(verb, bodies), timeout_s)
+            await asyncio.wait_for(self.done.wait(), max(started + timeout_s - time.monotonic(), 0))
+        except TimeoutError:
+            answered = len(bodies) - self.waiting
+            raise CliError(
+                f"{verb}: {answered} of {len(bodies)} commands answered after {timeout_s:g}s "
+                "; no figures (raise --timeout-s or lower --n)"
+            ) from None
+        return time.monotonic() - started
+
+    async def _publish_all(self, verb: str, bodies: list[bytes]) -> None:
+        exchange = await self.channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
+        routing_key = keys.command_routing_key(NAMESPACE, verb)
         for body in bodies:
             await self.window.acquire()
             await exchange.publish(
@@ -83,11 +97,6 @@ class Client:
                 ),
                 routing_key=routing_key,
             )
-        try:
-            await asyncio.wait_for(self.done.wait(), timeout_s)
-        except TimeoutError:
-            raise CliError(f"{verb}: {self.waiting} replies missing after {timeout_s:g}s") from None
-        return time.monotonic() - started
 
 
 def phases(n: int) -> list[tuple[str, str, list[bytes], int]]:
@@ -112,42 +121,68 @@ def phases(n: int) -> list[tuple[str, str, list[bytes], int]]:
 
 
 async def _measured(args: argparse.Namespace) -> dict[str, Any]:
-    figures: dict[str, Any] = {"n": args.n, "window": args.window, "dispatchers": args.dispatchers}
     async with harness.corner(CommonSettings()) as found:
         with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
             run = harness.Run(found, Path(logs))
-            run.start("dispatcher", args.dispatchers, {**harness.service_env(args)})
             try:
+                run.start("dispatcher", args.dispatchers, {**harness.service_env(args)})
                 await run.ready()
-                connection = await aio_pika.connect(found.amqp_url)
-                async with connection:
-                    channel = await connection.channel(publisher_confirms=False)
-                    replies = await channel.declare_queue(exclusive=True)
-                    client = Client(channel, replies.name, args.window)
-                    await replies.consume(client.on_reply, no_ack=True)
-                    for name, verb, bodies, items in phases(args.n):
-                        if args.only and name not in args.only:
-                            continue
-                        cpu_before = run.cpu_seconds()
-                        elapsed = await client.run(verb, bodies, args.timeout_s)
-                        cpu_s = run.cpu_seconds() - cpu_before
-                        figures[f"{name}_per_s"] = round(items / elapsed, 1)
-                        figures[f"{name}_dispatcher_cpu_ms_per_item"] = round(
-                            cpu_s * 1000 / items, 3
-                        )
-                    figures["failed_replies"] = client.failed
-                    if client.first_error is not None:
-                        figures["first_error"] = client.first_error
+                return await harness.watched(run, _phases(args, found, run))
             finally:
-                procs.stop_all(run.processes)
+                run.stop()
+
+
+async def _phases(args: argparse.Namespace, found: harness.Corner, run: harness.Run) -> Figures:
+    figures: Figures = {"n": args.n, "window": args.window, "dispatchers": args.dispatchers}
+    connection = await aio_pika.connect(found.amqp_url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=False)
+        replies = await channel.declare_queue(exclusive=True)
+        client = Client(channel, replies.name, args.window)
+        await replies.consume(client.on_reply, no_ack=True)
+        for name, verb, bodies, items in phases(args.n):
+            if args.only and name not in args.only:
+                continue
+            cpu_before = run.cpu_seconds()
+            elapsed = await client.run(verb, bodies, args.timeout_s)
+            cpu_s = run.cpu_seconds() - cpu_before
+            figures[f"{name}_per_s"] = round(items / elapsed, 1)
+            figures[f"{name}_dispatcher_cpu_ms_per_item"] = round(cpu_s * 1000 / items, 3)
+            # Progress on stderr (stdout holds the figures): a long run is not a silent one.
+            print(
+                f"cronbus bench intake: {name}: {items} in {elapsed:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+            if client.failed:
+                raise CliError(
+                    f"{name}: {client.failed} of {len(bodies)} replies were refusals, the "
+                    f"first: {codec.dumps(client.first_error).decode()}; no figures (they "
+                    "would time refusals, not the intake)"
+                )
+        figures["failed_replies"] = client.failed
     return figures
 
 
-def run(args: argparse.Namespace) -> int:
+def check_args(args: argparse.Namespace) -> None:
+    """Refused before anything starts, each naming its option."""
     if args.n < 1 or args.n > 20_000:
         raise CliError("--n: between 1 and 20000 (each verb runs N commands)")
-    harness.emit(args, asyncio.run(_measured(args)))
-    return 0
+    if args.window < 1:
+        raise CliError("--window: at least 1 unanswered command")
+    if not args.timeout_s > 0:
+        raise CliError("--timeout-s: a number of seconds above 0")
+    names = [name for name, *_ in phases(0)]
+    unknown = sorted(set(args.only or ()) - set(names))
+    if unknown:
+        raise CliError(f"--only: {', '.join(unknown)} not among {', '.join(names)}")
+    if args.only == []:
+        raise CliError(f"--only: name at least one of {', '.join(names)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    return harness.report(args, _measured(args))
 
 
 def add_kind(kinds: Kinds) -> argparse.ArgumentParser:

@@ -22,7 +22,6 @@ from typing import Any
 
 from cronbus.bench import harness
 from cronbus.bench.harness import Corner, Kinds, Run
-from cronbus.cli import procs
 from cronbus.cli.common import CliError
 from cronbus.cli.procs import ServiceProcess
 from cronbus.cli.sink import Received, Sink
@@ -82,22 +81,22 @@ async def _rebuild_in(args: argparse.Namespace, found: Corner, sink: Sink) -> di
         # As on a fresh install: a sweeper finds no index, builds the empty one, and stops
         # (so that neither it nor a rebuild of what is imported next competes with the import).
         first = Run(found, Path(logs))
-        first.start("sweeper", 1, env)
         try:
+            first.start("sweeper", 1, env)
             await _wait_for_rebuild(first.processes[0], args.timeout_s)
         finally:
-            procs.stop_all(first.processes)
+            first.stop()
     before = await harness.redis_used_memory(found)
     lines = harness.herd_lines(args.n, int(time.time() * 1000) + 86_400_000, "http://127.0.0.1:9/x")
     imported, import_s = await harness.seed(found, lines)
     bytes_per = (await harness.redis_used_memory(found) - before) / max(imported, 1)
     with tempfile.TemporaryDirectory(prefix="cronbus-bench-") as logs:
         run = Run(found, Path(logs))
-        if args.firing:
-            run.start("dispatcher", args.dispatchers, env)
-            run.start("executor", args.executors, env)
-        run.start("sweeper", 1, env)
         try:
+            if args.firing:
+                run.start("dispatcher", args.dispatchers, env)
+                run.start("executor", args.executors, env)
+            run.start("sweeper", 1, env)
             await run.ready()
             if args.firing:
                 # Firing before Redis loses its data, as in production.
@@ -119,7 +118,7 @@ async def _rebuild_in(args: argparse.Namespace, found: Corner, sink: Sink) -> di
                 await harness.wait_window(sink, found, *window, expected, args.timeout_s)
             await asyncio.sleep(args.settle_s)
         finally:
-            procs.stop_all(run.processes)
+            run.stop()
     figures: dict[str, Any] = {
         "n": args.n,
         "imported": imported,
@@ -167,6 +166,11 @@ async def _wait_for_rebuild(sweeper: ServiceProcess, timeout_s: float) -> float:
     """The sweeper's own measure of the rebuild (cronbus_rebuild_duration_seconds)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if not sweeper.alive():
+            raise CliError(
+                f"the sweeper exited with status {sweeper.popen.returncode} before its rebuild "
+                f"ended; no figures. Its log ends:\n{sweeper.tail(20)}"
+            )
         _, text = await asyncio.to_thread(sweeper.get, "/metrics")
         for line in text.splitlines():
             if line.startswith("cronbus_rebuilds_total ") and float(line.split()[1]) >= 1:
@@ -193,8 +197,7 @@ async def _count_index(found: Corner) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    harness.emit(args, asyncio.run(_rebuild(args)))
-    return 0
+    return harness.report(args, _rebuild(args))
 
 
 def add_kind(kinds: Kinds) -> argparse.ArgumentParser:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -227,7 +226,7 @@ async def _register_demo(settings: CommonSettings, sink: Sink) -> None:
             print(f"registered demo/{item['id']}: next {upcoming}")
 
 
-async def _dev(args: argparse.Namespace) -> int:
+async def _dev(args: argparse.Namespace) -> None:
     settings = CommonSettings()
     try:
         applied = await db.migrate(settings.database_url)
@@ -241,39 +240,41 @@ async def _dev(args: argparse.Namespace) -> int:
         print(f"demo sink listening on {sink.url}")
     # Local sinks listen on loopback: allowed unless the developer chose otherwise.
     env = {"CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS, **os.environ}
-    children = [_start(name, args.port_base + i, env) for i, name in enumerate(SERVICES)]
     # Locally the console is for trying things: its actions are on unless said otherwise.
     console_env = {
         "CRONBUS_CONSOLE_ACTIONS": "1",
         **env,
         "CRONBUS_CONSOLE_PORT": str(args.console_port),
     }
-    children.append(_start("console", args.port_base + len(SERVICES), console_env))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    children: list[ServiceProcess] = []
     try:
+        for i, name in enumerate(SERVICES):
+            children.append(_start(name, args.port_base + i, env))
+        children.append(_start("console", args.port_base + len(SERVICES), console_env))
+        print("pids: " + " ".join(f"{c.name}={c.pid}" for c in children), flush=True)
         await _wait_ready(children, 60)
         print(f"cronbus is running (logs in {LOG_DIR}/); Ctrl-C stops it")
         print(f"console: http://127.0.0.1:{args.console_port}/", flush=True)
         if sink is not None:
             await _register_demo(settings, sink)
-        while not stop.is_set():
+        # Until SIGINT, SIGTERM or SIGHUP cancels this (procs.run_until_signal).
+        while True:
             STATUS.show(*await asyncio.to_thread(status_line, children))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), args.status_every)
+            await asyncio.sleep(args.status_every)
     finally:
         _clear_status()
-        print("\nstopping ...")
-        await asyncio.to_thread(procs.stop_all, children, 30)
+        print("\nstopping ...", flush=True)
+        procs.stop_all(children, procs.GRACE_S)
         if sink is not None:
             await sink.stop()
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    return asyncio.run(_dev(args))
+    try:
+        procs.run_until_signal(_dev(args))
+    except procs.Interrupted:
+        return 0  # how a developer stops it: not a failure
+    return 0
 
 
 def run_sink(args: argparse.Namespace) -> int:

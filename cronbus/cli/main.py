@@ -243,6 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"cronbus {args.command}: {exc}", file=sys.stderr)
         return 2
+    except procs.Interrupted as exc:
+        figures = "; no figures" if args.command == "bench" else ""
+        print(
+            f"cronbus {args.command}: {exc}; what it started is stopped{figures}", file=sys.stderr
+        )
+        return 128 + exc.signum
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -250,6 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    finally:
+        # Whatever path got here (an error, a crash of this code), no service outlives it.
+        procs.stop_started()
 
 
 if __name__ == "__main__":
