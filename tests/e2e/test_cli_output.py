@@ -146,6 +146,6 @@ def test_shell_completion_knows_the_subcommands_and_their_options() -> None:
     assert complete("executions", "x", "--wa") == ["--watch"]
     assert {"bash", "zsh"} <= set(complete("completion", ""))
     assert complete("completion", "z") == ["zsh"]
-    assert complete("bench", "he") == ["herd"]
+    assert complete("bench", "he") == ["herd", "held"]
     zsh = subprocess.run([CLI, "completion", "zsh"], capture_output=True, text=True, check=True)
     assert "bashcompinit" in zsh.stdout and "_cronbus()" in zsh.stdout
