@@ -446,7 +446,7 @@ class Executor:
             log.exception(
                 "delivery raised", extra={"action": "delivery_error", "schedule": occ.member}
             )
-            outcome = Outcome(False, None, f"internal error: {exc!r}"[:500])
+            outcome = Outcome(False, None, f"internal error: {exc!r}"[:500], sent=False)
         finally:
             metrics.IN_FLIGHT.dec()
         finished = self.now_ms()

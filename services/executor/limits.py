@@ -159,17 +159,21 @@ class Limits:
         return admission
 
     async def report(self, occ: Occurrence, admission: Admission, outcome: Outcome) -> None:
-        if outcome.permanent:
-            # Refused by policy before anything was sent: it says nothing of the target's
-            # health, and must not open a breaker other schedules of the rate key share.
+        health = limits.attempt_health(outcome)
+        if health is limits.Health.UNKNOWN:
+            # Refused before anything was sent: it says nothing of the target's health, and
+            # must not open a breaker other schedules of the rate key share.
             return
         retry_after = outcome.retry_after_ms
         if retry_after is not None:
             retry_after = min(retry_after, self.max_retry_after_ms)
-        if outcome.ok and not admission.dirty and not admission.probe:
+        # The breaker counts only what says the host is unhealthy: a 404 on one schedule's
+        # path is the host answering, and closes the breaker like a success.
+        up = health is limits.Health.UP
+        if up and retry_after is None and not admission.dirty and not admission.probe:
             return  # nothing to close, nothing to hold: no round trip
         self._clear_until.pop(admission.rate_key, None)
-        item = (admission.rate_key, outcome.ok, retry_after)
+        item = (admission.rate_key, up, retry_after)
         code = await transient.retry(
             lambda: self._report.submit(item), what="rate report", stopping=self.stopping
         )

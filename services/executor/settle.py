@@ -29,6 +29,11 @@ class Outcome:
     #: Refused by the operator's policy before anything was sent: another attempt would be
     #: refused the same way, so the occurrence ends dead at once (its rotation goes on).
     permanent: bool = False
+    #: The target answered (an HTTP status, or the broker confirmed or returned the message):
+    #: the host is up, whatever the answer said of this one request.
+    reached: bool = False
+    #: Something went out (False: refused before sending, e.g. by the operator's policy).
+    sent: bool = True
 
 
 @dataclass(slots=True)

@@ -114,11 +114,11 @@ class Webhooks:
                 "webhook refused: its host is not in CRONBUS_WEBHOOK_ALLOWED_HOSTS",
                 extra={"action": "webhook_refused", "schedule": occ.member, "url": target.url},
             )
-            return Outcome(False, None, HOST_NOT_ALLOWED)
+            return Outcome(False, None, HOST_NOT_ALLOWED, sent=False)
         try:
             headers = self._headers(occ, key, target)
         except SecretMissing as exc:
-            return Outcome(False, None, str(exc)[:500])
+            return Outcome(False, None, str(exc)[:500], sent=False)
         try:
             response = await self.client.request(
                 target.method, target.url, headers, target.body, target.timeout_ms / 1000
@@ -138,18 +138,19 @@ class Webhooks:
                     "address": exc.address,
                 },
             )
-            return Outcome(False, None, NOT_ALLOWED)
+            return Outcome(False, None, NOT_ALLOWED, sent=False)
         except HttpError as exc:
             return Outcome(False, None, str(exc)[:500])
         status = response.status
         if _succeeded(status, target.success_codes):
-            return Outcome(True, status)
+            return Outcome(True, status, reached=True)
         text = _without_secrets(response.body.decode("utf-8", "replace").strip(), headers, target)
         return Outcome(
             False,
             status,
             f"HTTP {status}" + (f": {text}" if text else ""),
             _retry_after_ms(status, response.retry_after),
+            reached=True,
         )
 
 
@@ -245,10 +246,11 @@ class AmqpTargets:
                 timeout=target.timeout_ms / 1000,
             )
         except aio_pika.exceptions.DeliveryError as exc:
-            return Outcome(False, None, f"not routed: {exc}"[:500])
+            # The broker answered: it is up, the routing is about this message.
+            return Outcome(False, None, f"not routed: {exc}"[:500], reached=True)
         except Exception as exc:  # noqa: BLE001 - a failed attempt, retried by policy
             return Outcome(False, None, f"{type(exc).__name__}: {exc}"[:500])
-        return Outcome(True)
+        return Outcome(True, reached=True)
 
 
 def _refused(occ: Occurrence, exchange: str, reason: str) -> Outcome:
@@ -259,4 +261,4 @@ def _refused(occ: Occurrence, exchange: str, reason: str) -> Outcome:
         extra={"action": "amqp_refused", "schedule": occ.member, "exchange": exchange},
     )
     # Permanent: the policy would refuse every attempt the same way; nothing was published.
-    return Outcome(False, None, f"not published: {reason}"[:500], permanent=True)
+    return Outcome(False, None, f"not published: {reason}"[:500], permanent=True, sent=False)

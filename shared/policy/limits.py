@@ -12,6 +12,8 @@ import email.utils
 import functools
 import math
 from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from shared.contract import timefmt
@@ -22,6 +24,49 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 MAX_RETRY_AFTER_MS = 86_400_000
 #: Statuses whose Retry-After holds the rate key.
 BACKPRESSURE_STATUSES = frozenset({429, 503})
+#: The 4xx answer that speaks for the host (it asks everyone to slow down), not for one request.
+TOO_MANY_REQUESTS = 429
+
+
+class Health(Enum):
+    """What one attempt says about the host behind its rate key."""
+
+    #: The host answered: a success, or a 4xx about that one request (404, 400, 410, ...).
+    UP = "up"
+    #: The host is unhealthy: no answer (refused, reset, timed out), a 5xx, or a 429.
+    DOWN = "down"
+    #: Nothing was sent (refused by the operator's policy, a secret missing): no news.
+    UNKNOWN = "unknown"
+
+
+class Attempt(Protocol):
+    """The parts of a delivery outcome the breaker looks at."""
+
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def http_status(self) -> int | None: ...
+    @property
+    def reached(self) -> bool: ...
+    @property
+    def sent(self) -> bool: ...
+
+
+def attempt_health(outcome: Attempt) -> Health:
+    """UP, DOWN or UNKNOWN: the circuit breaker counts DOWN attempts and closes on UP ones.
+
+    A 404 on one schedule's path says the host is up; counting it would let one broken
+    schedule open the breaker for every healthy schedule sharing the host."""
+    if not outcome.sent:
+        return Health.UNKNOWN
+    if outcome.ok:
+        return Health.UP
+    if not outcome.reached or outcome.http_status is None:
+        return Health.DOWN
+    status = outcome.http_status
+    if status >= 500 or status == TOO_MANY_REQUESTS:
+        return Health.DOWN
+    return Health.UP
 
 
 def rate_key(namespace: str, target: TargetPlan) -> str:

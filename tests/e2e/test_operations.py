@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import os
 import subprocess
 import sys
@@ -350,6 +351,52 @@ async def test_a_circuit_breaker_opens_shared_by_executors_then_probes(
         for text in scraped
     )
     assert opened >= 2
+
+
+async def test_a_path_answering_404_does_not_open_the_breaker_for_its_neighbours(
+    stack: Stack, sink: Sink, client: CommandClient
+) -> None:
+    """Issue 26: a 404 is the host answering about one request. A schedule whose path is
+    missing, beside a healthy one on the same host (one rate key), must not open the breaker:
+    the healthy one keeps its every-second deliveries, with nothing held."""
+    sink.respond = lambda request: 404 if request.path == "/missing" else 200
+    await stack.start_all(
+        TWO_EXECUTORS, CRONBUS_BREAKER_FAILURES="3", CRONBUS_BREAKER_COOLDOWN_S="5"
+    )
+    for schedule_id, path in (("gone", "/missing"), ("healthy", "/hook")):
+        reply = await client.send(
+            "acme",
+            "upsert",
+            {
+                "schedule": {
+                    "id": schedule_id,
+                    "spec": {"kind": "interval", "every_s": 1},
+                    "target": webhook(sink, path),
+                    "retry": {"max_attempts": 2, "initial_backoff_s": 0.1, "full_jitter": False},
+                }
+            },
+        )
+        assert reply["ok"], reply
+    assert await sink.wait_for(
+        lambda s: sum(r.path == "/missing" for r in s.received) >= 8, timeout_s=20
+    ), stack.tails()
+    await asyncio.sleep(4)
+    misses = [r.at_ms for r in sink.received if r.path == "/missing"]
+    healthy = sorted(r.at_ms for r in sink.received if r.path == "/hook" and r.at_ms > misses[2])
+    gaps = [b - a for a, b in itertools.pairwise(healthy)]
+    assert len(healthy) >= 6 and max(gaps) < 2000, (len(healthy), gaps)
+    shown = await client.send("acme", "get", {"id": "healthy"})
+    breaker = shown["schedule"].get("breaker")
+    assert breaker is None or breaker["state"] == "closed", breaker
+    scraped = [
+        (await asyncio.to_thread(proc.get, "/metrics"))[1] for proc in stack.running("executor")
+    ]
+    held = sum(metric_sum(text, 'cronbus_rate_held_total{namespace="acme"}') for text in scraped)
+    opened = sum(
+        metric_sum(text, 'cronbus_breaker_transitions_total{namespace="acme",state="open"}')
+        for text in scraped
+    )
+    assert held == 0 and opened == 0, (held, opened)
 
 
 async def test_quotas_refuse_schedules_over_max_and_delay_fires_over_the_rate(

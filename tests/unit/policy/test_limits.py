@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given
@@ -105,3 +106,41 @@ def test_bad_rate_settings_name_the_field(target: dict[str, object], field: str)
             },
         )
     assert caught.value.details[0]["field"] == field, caught.value.details
+
+
+# --- what an attempt says of the host (the breaker counts DOWN only) ----------------------
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    ok: bool
+    http_status: int | None
+    reached: bool
+    sent: bool = True
+
+
+@given(st.integers(400, 499).filter(lambda s: s != 429))
+def test_a_4xx_about_one_request_says_the_host_is_up(status: int) -> None:
+    assert limits.attempt_health(_Attempt(False, status, True)) is limits.Health.UP
+
+
+@given(st.integers(500, 599))
+def test_a_5xx_says_the_host_is_down(status: int) -> None:
+    assert limits.attempt_health(_Attempt(False, status, True)) is limits.Health.DOWN
+
+
+def test_a_429_says_the_host_is_down() -> None:
+    assert limits.attempt_health(_Attempt(False, 429, True)) is limits.Health.DOWN
+
+
+@given(st.one_of(st.none(), st.integers(100, 599)))
+def test_no_answer_says_the_host_is_down(status: int | None) -> None:
+    """Refused, reset, timed out: nothing came back."""
+    assert limits.attempt_health(_Attempt(False, None, False)) is limits.Health.DOWN
+    assert limits.attempt_health(_Attempt(True, status, True)) is limits.Health.UP
+
+
+@given(st.booleans(), st.one_of(st.none(), st.integers(100, 599)), st.booleans())
+def test_nothing_sent_says_nothing(ok: bool, status: int | None, reached: bool) -> None:
+    found = limits.attempt_health(_Attempt(ok, status, reached, sent=False))
+    assert found is limits.Health.UNKNOWN
