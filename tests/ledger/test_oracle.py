@@ -382,3 +382,30 @@ def test_a_time_of_the_new_rule_in_the_resets_window_is_not_counted_against_the_
     verdict = oracle.judge([t], delivered, [], T0 + 10_000)
     assert verdict.total("unexpected") == 0, verdict.findings
     assert verdict.total("lost") == 0, verdict.findings
+
+
+def test_a_limited_fire_all_owes_its_limit_of_a_stretch_missed_during_a_fault() -> None:
+    """Issue 26: fire_all with a window and a limit is judged under faults: a stretch missed
+    whole owes min(limit, times in the window); the mix's limit is 2."""
+    fault = oracle.Fault("kill9-executor", T0 + 6000, T0 + 9000)
+    horizon = T0 + 40_000
+    t = timeline(plan(EVERY_2S, "fire_all(limit)"))
+    window = oracle.fault_windows([fault], 2000, 6000).spans[0]
+    outside = [r for r in on_time(t, horizon) if not window[0] <= r.fire_time_ms <= window[1]]
+    assert oracle.judge([t], outside, [fault], horizon).total("lost") == 2
+    inside = sorted(n for n in oracle.candidates(t.rotations[0].plan, window[0], window[1]))
+    one = [*outside, request(inside[-1], inside[-1] + 400)]
+    assert oracle.judge([t], one, [fault], horizon).total("lost") == 1
+    two = [*one, request(inside[-2], inside[-2] + 400)]
+    assert oracle.judge([t], two, [fault], horizon).total("lost") == 0
+
+
+def test_a_fault_scoped_to_a_host_disturbs_only_its_schedules() -> None:
+    """A host down excuses the misses of the schedules on that host, not of the others."""
+    fault = oracle.Fault("host-down", T0 + 6000, T0 + 9000, scope="http://127.0.0.1:1/")
+    other = oracle.Fault("host-down", T0 + 6000, T0 + 9000, scope="http://127.0.0.1:2/")
+    horizon = T0 + 40_000
+    t = timeline(plan(EVERY_2S, "skip"))
+    missing = on_time(t, horizon, frozenset({T0 + 6000}))
+    assert oracle.judge([t], missing, [fault], horizon).total("lost") == 0
+    assert oracle.judge([t], missing, [other], horizon).total("lost") == 1
