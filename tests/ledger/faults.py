@@ -17,6 +17,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from tests.ledger import oracle
+from tests.ledger.sink import Sinks
 from tests.support import private
 from tests.support.stack import Stack
 
@@ -30,8 +31,13 @@ FAULTS = (
     "redis-old-snapshot",
     "postgres-restart",
     "broker-restart",
+    "retry-after-429",
+    "host-down",
     "overload",
 )
+#: How long the other host refuses connections, and the ``ra`` targets answer 429 (s).
+HOST_DOWN_S = 6.0
+THROTTLE_S = 6.0
 
 
 def now_ms() -> int:
@@ -50,6 +56,7 @@ class Kit:
     send_triggers: Callable[[], Awaitable[None]]
     #: Loads many schedules due at one instant and waits until they have been delivered.
     burst: Callable[[], Awaitable[None]]
+    sinks: Sinks
     snapshot: Path | None = None
 
     async def redis(self) -> aioredis.Redis:
@@ -159,6 +166,26 @@ async def _overload(kit: Kit) -> None:
     await kit.burst()
 
 
+async def _retry_after_429(kit: Kit) -> None:
+    """The ``ra`` targets answer 429 with Retry-After for a while: each answer holds the
+    main host's rate key (every schedule on it), and enough of them open its breaker."""
+    kit.sinks.throttling = True
+    try:
+        await asyncio.sleep(THROTTLE_S)
+    finally:
+        kit.sinks.throttling = False
+
+
+async def _host_down(kit: Kit) -> None:
+    """The other host refuses connections for a while: its breaker opens, its schedules are
+    held (delayed, never lost), the main host's are not touched."""
+    await kit.sinks.other_down()
+    try:
+        await asyncio.sleep(HOST_DOWN_S)
+    finally:
+        await kit.sinks.other_up()
+
+
 ACTIONS: dict[str, Callable[[Kit], Awaitable[None]]] = {
     "kill9-executor": _kill_executor,
     "kill9-dispatcher": _kill_dispatcher,
@@ -169,6 +196,8 @@ ACTIONS: dict[str, Callable[[Kit], Awaitable[None]]] = {
     "postgres-restart": _postgres_restart,
     "broker-restart": _broker_restart,
     "overload": _overload,
+    "retry-after-429": _retry_after_429,
+    "host-down": _host_down,
 }
 
 
@@ -176,4 +205,5 @@ async def apply(name: str, kit: Kit) -> oracle.Fault:
     """Apply one fault; its window runs from the start until what it broke is back."""
     started = now_ms()
     await ACTIONS[name](kit)
-    return oracle.Fault(name, started, now_ms())
+    scope = kit.sinks.other_scope if name == "host-down" else ""
+    return oracle.Fault(name, started, now_ms(), scope)

@@ -26,7 +26,9 @@ POLICIES: dict[str, dict[str, Any]] = {
 }
 #: Jitter above the misfire grace (1 s): on time although later than nominal + grace.
 JITTER_S = 3
-TARGETS = ("fast", "fast", "fast", "slow", "err", "flaky1", "flaky2")
+TARGETS = ("fast", "fast", "fast", "slow", "e404", "flaky1", "flaky2", "ra")
+#: The share of the mix whose targets live on the other host (the one ``host-down`` stops).
+OTHER_HOST_SHARE = 0.25
 HERD_KINDS = ("once", "interval", "cron", "after_completion", "trigger")
 
 
@@ -95,7 +97,7 @@ def _target(sink_url: str, behaviour: str, schedule_id: str) -> dict[str, Any]:
 
 
 def _retry(behaviour: str) -> dict[str, Any]:
-    attempts = {"err": 2, "flaky2": 4}.get(behaviour, 3)
+    attempts = {"e404": 2, "flaky2": 4}.get(behaviour, 3)
     return {"max_attempts": attempts, "initial_backoff_s": 0.2, "max_backoff_s": 0.5}
 
 
@@ -124,8 +126,11 @@ def item(
     return Item(schedule_id, kind, body)
 
 
-def mix(seed: int, count: int, now_ms: int, run_s: float, sink_url: str) -> list[Item]:
-    """Every (kind, policy, jitter) combination once, then random ones up to ``count``."""
+def mix(
+    seed: int, count: int, now_ms: int, run_s: float, sink_url: str, other_url: str = ""
+) -> list[Item]:
+    """Every (kind, policy, jitter) combination once, then random ones up to ``count``; a
+    share of them (``OTHER_HOST_SHARE``) on the other host when ``other_url`` is given."""
     rng = random.Random(seed)
     combos = [
         (kind, policy, jitter)
@@ -140,7 +145,8 @@ def mix(seed: int, count: int, now_ms: int, run_s: float, sink_url: str) -> list
     items = []
     for index, (kind, policy, jitter) in enumerate(combos):
         behaviour = rng.choice(TARGETS)
-        items.append(item(index, kind, policy, jitter, behaviour, now_ms, run_s, rng, sink_url))
+        url = other_url if other_url and rng.random() < OTHER_HOST_SHARE else sink_url
+        items.append(item(index, kind, policy, jitter, behaviour, now_ms, run_s, rng, url))
     return items
 
 
@@ -163,8 +169,10 @@ def reset_body(current: dict[str, Any], rng: random.Random) -> dict[str, Any]:
 # --- herds ---------------------------------------------------------------------------------
 
 
-def herd_namespace(kind: str) -> str:
-    return f"herd-{kind.replace('_', '-')}"
+def herd_namespace(kind: str, round_: int = 0) -> str:
+    """The namespace of a herd kind (a retried herd, ``round_`` > 0, gets fresh ones)."""
+    suffix = f"-r{round_}" if round_ else ""
+    return f"herd-{kind.replace('_', '-')}{suffix}"
 
 
 def herd_body(

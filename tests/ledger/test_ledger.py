@@ -4,7 +4,9 @@ A seeded mix of schedules (every spec kind, every misfire policy, jitter above t
 windows, counts, retries, targets fast, slow, failing and flaky) fires into a recording sink
 while commands (pause, resume, trigger, delete, resets) and faults (kill -9 of each service,
 broker restart, Redis flushed, Redis restarted from an old snapshot, PostgreSQL restarted,
-triggers accepted with no executor and then Redis flushed, an overload burst) take turns. The
+triggers accepted with no executor and then Redis flushed, 429s with Retry-After, a second
+host down for a while, an overload burst) take turns, with the circuit breaker in reach (two
+hosts, one with paths answering 404 beside healthy ones). The
 oracle (tests/ledger/oracle.py) judges what arrived. Then a no-fault herd of each spec kind
 must arrive without a single duplicate.
 
@@ -64,11 +66,12 @@ def env(servers: private.PrivateServices) -> dict[str, str]:
         # Frequent drift checks: drift repair must never touch an occurrence in flight.
         "CRONBUS_DRIFT_CHECK_INTERVAL_S": "1",
         "CRONBUS_EVENTS": "failures",
-        # Every target of the mix is one sink (one rate key) and a seventh of them always fail:
-        # the circuit breaker would hold the healthy ones too, for its cooldown, again and again
-        # (by design: tests/e2e/test_operations.py). Held is late, not lost, but a held fire_all
-        # backlog outlasts any run, so the ledger judges the policies with the breaker out.
-        "CRONBUS_BREAKER_FAILURES": "1000000",
+        # The breaker in reach: a few attempts that say a host is unhealthy (the other host
+        # down, 429s, flaky 503s) open it, and a short cooldown lets a run see it open, hold,
+        # probe and close many times. Held is delayed, never lost; a 404 (the e404 targets
+        # beside healthy ones on the main host) must never open it.
+        "CRONBUS_BREAKER_FAILURES": "5",
+        "CRONBUS_BREAKER_COOLDOWN_S": "4",
         "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
         "CRONBUS_LOG_LEVEL": "INFO",
     }
@@ -84,6 +87,14 @@ def stack(env: dict[str, str], tmp_path: Path) -> Iterator[Stack]:
 @pytest.fixture
 async def sink() -> AsyncIterator[Sink]:
     found = ledger_sink.ledger_sink()
+    await found.start()
+    yield found
+    await found.stop()
+
+
+@pytest.fixture
+async def sinks() -> AsyncIterator[ledger_sink.Sinks]:
+    found = ledger_sink.Sinks()
     await found.start()
     yield found
     await found.stop()
@@ -118,7 +129,7 @@ async def test_herd_of_each_kind_has_no_duplicates(
 
 async def test_every_policy_keeps_its_promise_under_every_fault(
     stack: Stack,
-    sink: Sink,
+    sinks: ledger_sink.Sinks,
     env: dict[str, str],
     servers: private.PrivateServices,
     report_path: Path,
@@ -127,7 +138,7 @@ async def test_every_policy_keeps_its_promise_under_every_fault(
     # than their lease (the lease must be re-checked when the delivery starts).
     stack.env["CRONBUS_CONCURRENCY"] = "64"
     await start_services(stack)
-    ledger = run.Ledger(stack, servers, env, sink, PROFILE)
+    ledger = run.Ledger(stack, servers, env, sinks, PROFILE)
     verdict = await ledger.run()
     title = (
         f"ledger mix: seed {PROFILE.seed}, {len(ledger.items)} schedules "
@@ -148,7 +159,7 @@ async def test_every_policy_keeps_its_promise_under_every_fault(
             excluded=ledger.excluded,
             faults=[[f.name, f.start_ms, f.end_ms] for f in ledger.applied],
             history=ledger.history(),
-            requests=[dataclasses.asdict(r) for r in ledger_sink.requests(sink)],
+            requests=[dataclasses.asdict(r) for r in sinks.requests()],
         ),
     )
     print(f"report: {report_path}")
