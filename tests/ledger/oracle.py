@@ -34,6 +34,7 @@ instead: each occurrence is due no sooner than ``delay`` after its predecessor's
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -56,6 +57,8 @@ CHAIN_SLACK_MS = 2000
 #: How long an occurrence has, after its due time (or after the fault or backlog under way
 #: then), to be delivered before a command may legitimately keep it from firing (ms).
 SETTLE_MS = 2000
+#: Slack (ms) between the sink's clock at an answer and the Redis clock of the choice after it.
+CHOICE_SLACK_MS = 250
 #: The most candidate nominal times enumerated per rotation (bounds the work).
 MAX_CANDIDATES = 200_000
 #: ``fire_all`` replays every missed time when its window and limit exceed the run.
@@ -519,6 +522,7 @@ def _judge_grid(
         occurrence = regular.get(nominal)
         _account(timeline, verdict, ctx, label, verdict_class, due, nominal, occurrence)
     _check_catch_ups(timeline, regular, classes, ctx, verdict, label)
+    _check_choices(timeline, regular, classes, ctx, verdict, label)
     for nominal, occurrence in regular.items():
         if nominal not in classes:
             _unexpected(
@@ -584,6 +588,60 @@ def _check_catch_ups(
                 f"lost catch-up {timeline.member}: {delivered} of {len(run)} missed from "
                 f"{run[0]} to {run[-1]} delivered, {owes.reason}"
             )
+
+
+def _check_choices(
+    timeline: Timeline,
+    regular: dict[int, Occurrence],
+    classes: dict[int, tuple[str, int, Plan]],
+    ctx: Context,
+    verdict: Verdict,
+    label: str,
+) -> None:
+    """What ``skip`` and ``fire_once`` must not deliver. The occurrence after a delivered one
+    is chosen no sooner than that one's first delivery ended (its completion, or a later
+    look at a missed time), by the Redis clock; so of two occurrences delivered one after
+    the other in a rotation, with no pause between them:
+
+    - ``skip``: the second was on time when chosen, its due time at most the grace before
+      the first one's end (an older one is a missed time skip delivered);
+    - ``fire_once``: the second was the latest missed time or on time, so the nominal time
+      after it was on time when chosen (otherwise an older missed time was caught up).
+    """
+    delivered = sorted(n for n in regular if n in classes)
+    for before, after in itertools.pairwise(delivered):
+        rotation_index, plan = classes[before][1], classes[before][2]
+        if classes[after][1] != rotation_index or plan.misfire.policy not in ("skip", "fire_once"):
+            continue
+        ended = regular[before].episodes()[0][1]
+        if _paused_between(timeline, ended, regular[after].first_arrival):
+            continue
+        floor = ended - plan.misfire.grace_ms - CHOICE_SLACK_MS
+        judged = after
+        if plan.misfire.policy == "fire_once":
+            following = schedule.next_nominal(plan, after)
+            if following is None or following in regular:
+                continue
+            judged = following
+        due = schedule.fire_at_ms(plan, timeline.member, judged)
+        if due < floor:
+            _unexpected(
+                verdict,
+                label,
+                ctx,
+                regular[after],
+                f"{plan.misfire.policy} {timeline.member}@{after}: chosen after {before} ended "
+                f"at {ended:.0f}, but {judged} was due at {due}, missed by then",
+            )
+
+
+def _paused_between(timeline: Timeline, start: float, end: float) -> bool:
+    """A pause (to its resume's reply) overlapping [start, end]: the resume chose again."""
+    for pause in timeline.pauses:
+        resumed = pause.resume_reply_ms if pause.resume_reply_ms is not None else math.inf
+        if pause.sent_ms <= end and resumed >= start:
+            return True
+    return False
 
 
 def _rank(verdict_class: str) -> int:

@@ -409,3 +409,38 @@ def test_a_fault_scoped_to_a_host_disturbs_only_its_schedules() -> None:
     missing = on_time(t, horizon, frozenset({T0 + 6000}))
     assert oracle.judge([t], missing, [fault], horizon).total("lost") == 0
     assert oracle.judge([t], missing, [other], horizon).total("lost") == 1
+
+
+def test_skip_must_not_deliver_a_time_missed_when_it_was_chosen() -> None:
+    """Issue 26: skip is judged under faults too: after a delivery that ended at 14 s, a time
+    due at 8 s was missed (grace 1 s) and skip must not deliver it; 14 s itself may go."""
+    fault = oracle.Fault("kill9-executor", T0 + 6000, T0 + 9000)
+    horizon = T0 + 40_000
+    t = timeline(plan(EVERY_2S, "skip"))
+    window = oracle.fault_windows([fault], 2000, 6000).spans[0]
+    outside = [r for r in on_time(t, horizon) if not window[0] <= r.fire_time_ms <= window[1]]
+    before = [r for r in outside if r.fire_time_ms < window[0]]
+    after = [r for r in outside if r.fire_time_ms > window[0]]
+    # The last delivery before the fault ended late, at 14 s: what came next was chosen then.
+    ended = dataclasses.replace(before[-1], answered_ms=T0 + 14_000)
+    good = [*before[:-1], ended, request(T0 + 14_000, T0 + 14_100), *after]
+    assert oracle.judge([t], good, [fault], horizon).total("unexpected") == 0
+    bad = [*before[:-1], ended, request(T0 + 8000, T0 + 14_100), *after]
+    verdict = oracle.judge([t], bad, [fault], horizon)
+    assert verdict.total("unexpected") == 1, verdict.findings
+    assert any("missed by then" in f for f in verdict.findings)
+
+
+def test_fire_once_must_catch_up_the_latest_missed_time_not_an_older_one() -> None:
+    fault = oracle.Fault("kill9-executor", T0 + 6000, T0 + 9000)
+    horizon = T0 + 40_000
+    t = timeline(plan(EVERY_2S, "fire_once"))
+    window = oracle.fault_windows([fault], 2000, 6000).spans[0]
+    outside = [r for r in on_time(t, horizon) if not window[0] <= r.fire_time_ms <= window[1]]
+    before = [r for r in outside if r.fire_time_ms < window[0]]
+    after = [r for r in outside if r.fire_time_ms > window[0]]
+    ended = dataclasses.replace(before[-1], answered_ms=T0 + 14_500)
+    latest = [*before[:-1], ended, request(T0 + 14_000, T0 + 14_600), *after]
+    assert oracle.judge([t], latest, [fault], horizon).total("unexpected") == 0
+    oldest = [*before[:-1], ended, request(T0 + 6000, T0 + 14_600), *after]
+    assert oracle.judge([t], oldest, [fault], horizon).total("unexpected") == 1
