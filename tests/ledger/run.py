@@ -1,8 +1,9 @@
 """The ledger run: the mix registered, commands and faults applied in turns while it fires,
 everything recorded, then judged by the oracle; and the no-fault herd of each spec kind.
 
-Profiles: the short one (CI, about three minutes with the herd) applies every fault once; a
-long one (``scripts/ledger --minutes N``) repeats the pass of every fault for N minutes.
+Profiles: the short one (CI, about four minutes, and one more for the herd) applies every
+fault once; a long one (``scripts/ledger --minutes N``) repeats the pass of every fault for N
+minutes.
 """
 
 from __future__ import annotations
