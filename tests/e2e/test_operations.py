@@ -384,7 +384,8 @@ async def test_a_path_answering_404_does_not_open_the_breaker_for_its_neighbours
     misses = [r.at_ms for r in sink.received if r.path == "/missing"]
     healthy = sorted(r.at_ms for r in sink.received if r.path == "/hook" and r.at_ms > misses[2])
     gaps = [b - a for a, b in itertools.pairwise(healthy)]
-    assert len(healthy) >= 6 and max(gaps) < 2000, (len(healthy), gaps)
+    # Every second; an open breaker (cooldown 5 s) would leave a gap of 5 s or more.
+    assert len(healthy) >= 6 and max(gaps) < 3000, (len(healthy), gaps)
     shown = await client.send("acme", "get", {"id": "healthy"})
     breaker = shown["schedule"].get("breaker")
     assert breaker is None or breaker["state"] == "closed", breaker

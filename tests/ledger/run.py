@@ -271,6 +271,16 @@ class Ledger:
         horizon = now_ms() - 1000
         return await self.drain_and_judge(horizon, self.profile.drain_s)
 
+    def breaker_transitions(self) -> dict[str, int]:
+        """How often the executors opened and closed a circuit breaker (from their logs): the
+        run had the breaker in reach only if it opened."""
+        counts = {"open": 0, "closed": 0}
+        for path in sorted(self.stack.logs.glob("executor-*.log")):
+            text = path.read_text(errors="replace")
+            for state in counts:
+                counts[state] += text.count(f'"action":"breaker_{state}"')
+        return counts
+
     def history(self) -> dict[str, Any]:
         """The command history of every mix schedule, for the JSON report."""
         return {

@@ -140,10 +140,11 @@ async def test_every_policy_keeps_its_promise_under_every_fault(
     await start_services(stack)
     ledger = run.Ledger(stack, servers, env, sinks, PROFILE)
     verdict = await ledger.run()
+    breakers = ledger.breaker_transitions()
     title = (
         f"ledger mix: seed {PROFILE.seed}, {len(ledger.items)} schedules "
         f"(+{len(ledger.timelines) - len(ledger.items)} one-shots of the overload), "
-        f"faults {len(ledger.applied)}, commands {ledger.commands}"
+        f"faults {len(ledger.applied)}, commands {ledger.commands}, breakers {breakers}"
     )
     print("\n" + report.table(title, verdict))
     for line in verdict.findings[:40]:
@@ -156,6 +157,7 @@ async def test_every_policy_keeps_its_promise_under_every_fault(
             seed=PROFILE.seed,
             minutes=PROFILE.minutes,
             commands=ledger.commands,
+            breakers=breakers,
             excluded=ledger.excluded,
             faults=[[f.name, f.start_ms, f.end_ms] for f in ledger.applied],
             history=ledger.history(),
@@ -164,6 +166,8 @@ async def test_every_policy_keeps_its_promise_under_every_fault(
     )
     print(f"report: {report_path}")
     assert not ledger.excluded, ledger.excluded
+    # The breaker was in reach: the other host down opened it (and its probe closed it).
+    assert breakers["open"] > 0, breakers
     assert verdict.total("lost") == 0, verdict.findings[:20]
     assert verdict.total("unexpected") == 0, verdict.findings[:20]
     assert verdict.total("overlaps") == 0, verdict.findings[:20]
