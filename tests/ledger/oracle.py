@@ -156,6 +156,8 @@ class Row:
     overlaps: int = 0
     skipped: int = 0
     bad_keys: int = 0
+    #: Attempted, but every attempt refused by a host that was down (ended dead, not lost).
+    unreached: int = 0
     lateness_ms: list[float] = field(default_factory=list)
 
     @property
@@ -334,6 +336,9 @@ class Context:
     #: Faults and backlogs of one host (URL prefix -> windows): they disturb its schedules.
     scoped_faults: dict[str, Windows] = field(default_factory=dict)
     scoped_backlog: dict[str, Windows] = field(default_factory=dict)
+    #: (schedule, nominal) of occurrences the executors ended dead after attempts that no
+    #: host answered (a host down refused them): attempted, so not lost, but never at a sink.
+    unreached: frozenset[tuple[str, int]] = frozenset()
 
     def _scopes(self, url: str) -> list[str]:
         return [
@@ -434,6 +439,7 @@ def judge(
     *,
     fault_before_ms: int = 2000,
     fault_after_ms: int = 6000,
+    unreached: frozenset[tuple[str, int]] = frozenset(),
 ) -> Verdict:
     """The ledger: every schedule's occurrences judged against what the sink received."""
     occurrences = group(requests)
@@ -445,6 +451,7 @@ def judge(
         backlog_windows((d, a) for d, a, url in late if not _in_any(url, scopes)),
         {s: fault_windows(faults, fault_before_ms, fault_after_ms, s) for s in scopes},
         {s: backlog_windows((d, a) for d, a, url in late if url.startswith(s)) for s in scopes},
+        unreached,
     )
     verdict = Verdict()
     by_schedule: dict[str, list[tuple[tuple[str, bool, int], Occurrence]]] = defaultdict(list)
@@ -576,7 +583,7 @@ def _check_catch_ups(
         owes = owed.owed(plan.misfire, dues, settled)
         if owes.count == 0:
             continue
-        delivered = sum(1 for n in run if n in regular)
+        delivered = sum(1 for n in run if n in regular or (timeline.member, n) in ctx.unreached)
         short = owed.delivered_enough(owes, delivered)
         row = verdict.row(label, ctx.fault_of(last, timeline.url))
         # The stretch's own times count as expected one by one only when they are required;
@@ -660,6 +667,11 @@ def _account(
 ) -> None:
     row = verdict.row(label, ctx.fault_of(due, timeline.url))
     name = f"{timeline.member}@{nominal} ({verdict_class}, due {due})"
+    if occurrence is None and (timeline.member, nominal) in ctx.unreached:
+        # Attempted while its host refused every attempt: not lost (nothing reached a sink).
+        row.expected += verdict_class == REQUIRED
+        row.unreached += 1
+        return
     if verdict_class == REQUIRED:
         row.expected += 1
         if occurrence is None:

@@ -18,6 +18,7 @@ COLUMNS = (
     "unexpected",
     "overlaps",
     "skipped",
+    "unreached",
     "bad_keys",
     "p99_late_s",
 )
@@ -34,6 +35,7 @@ def row_values(row: oracle.Row) -> dict[str, Any]:
         "unexpected": row.unexpected,
         "overlaps": row.overlaps,
         "skipped": row.skipped,
+        "unreached": row.unreached,
         "bad_keys": row.bad_keys,
         "p99_late_s": round(row.p99_lateness_s, 2),
     }
@@ -49,6 +51,7 @@ def totals(verdict: oracle.Verdict) -> dict[str, Any]:
         for name in ("expected", "delivered", "lost", "duplicates", "unexpected", "overlaps"):
             setattr(every, name, getattr(every, name) + getattr(row, name))
         every.skipped += row.skipped
+        every.unreached += row.unreached
         every.bad_keys += row.bad_keys
         every.lateness_ms.extend(row.lateness_ms)
     return row_values(every)

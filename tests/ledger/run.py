@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import os
 import random
@@ -301,7 +302,13 @@ class Ledger:
 
     def judge(self, horizon: int) -> oracle.Verdict:
         timelines = [t for m, t in self.timelines.items() if m not in self.excluded]
-        return oracle.judge(timelines, self.sinks.requests(), self.applied, horizon)
+        return oracle.judge(
+            timelines,
+            self.sinks.requests(),
+            self.applied,
+            horizon,
+            unreached=unreached_occurrences(self.stack.logs),
+        )
 
     async def drain_and_judge(self, horizon: int, timeout_s: float = 45) -> oracle.Verdict:
         """Wait until every required occurrence has arrived (or the timeout), then a little
@@ -313,6 +320,23 @@ class Ledger:
             await asyncio.sleep(2)
         await asyncio.sleep(3)
         return self.judge(horizon)
+
+
+def unreached_occurrences(logs: Path) -> frozenset[tuple[str, int]]:
+    """(schedule, nominal) of each occurrence an executor logged dead with no HTTP answer (a
+    host down refused its attempts), from the executors' JSON logs."""
+    found: set[tuple[str, int]] = set()
+    for path in sorted(logs.glob("executor-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"occurrence_dead"' not in line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("http_status") is None and "schedule" in record:
+                found.add((record["schedule"], int(record["nominal_ms"])))
+    return frozenset(found)
 
 
 # --- import and herds ----------------------------------------------------------------------

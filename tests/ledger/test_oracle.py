@@ -444,3 +444,15 @@ def test_fire_once_must_catch_up_the_latest_missed_time_not_an_older_one() -> No
     assert oracle.judge([t], latest, [fault], horizon).total("unexpected") == 0
     oldest = [*before[:-1], ended, request(T0 + 6000, T0 + 14_600), *after]
     assert oracle.judge([t], oldest, [fault], horizon).total("unexpected") == 1
+
+
+def test_an_occurrence_its_down_host_refused_is_unreached_not_lost() -> None:
+    """An occurrence attempted while its host refused every connection ends dead without
+    reaching a sink: the executors' logs say so, and it is counted unreached, not lost."""
+    t = timeline(plan(EVERY_2S))
+    horizon = T0 + 20_000
+    missing = on_time(t, horizon, frozenset({T0 + 4000}))
+    assert oracle.judge([t], missing, [], horizon).total("lost") == 1
+    told = frozenset({(t.member, T0 + 4000)})
+    verdict = oracle.judge([t], missing, [], horizon, unreached=told)
+    assert verdict.total("lost") == 0 and verdict.total("unreached") == 1
