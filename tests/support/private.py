@@ -102,6 +102,20 @@ class PrivateRabbit:
     def ctl(self) -> list[str]:
         return ["rabbitmqctl", "-q", "-n", self.node]
 
+    def _ctl(self, *args: str, check: bool = True, timeout: float | None = 120) -> None:
+        """rabbitmqctl on this node. Its own distribution ports: the CLI's default range
+        (35672-35682) is shared by every rabbitmqctl on the machine, and a few hung ones
+        (another broker's) make every other call fail with 'nodistribution'."""
+        low = free_port()
+        env = {
+            **os.environ,
+            "RABBITMQ_CTL_DIST_PORT_MIN": str(low),
+            "RABBITMQ_CTL_DIST_PORT_MAX": str(min(low + 50, 65535)),
+        }
+        subprocess.run(
+            [*self.ctl, *args], check=check, capture_output=True, env=env, timeout=timeout
+        )
+
     def start(self) -> None:
         (self.directory / "rabbitmq.conf").write_text(
             f"listeners.tcp.local = 127.0.0.1:{self.port}\n"
@@ -137,23 +151,19 @@ class PrivateRabbit:
         _wait_port(self.port, 90, "RabbitMQ")
 
     def stop_app(self) -> None:
-        subprocess.run([*self.ctl, "stop_app"], check=True, capture_output=True)
+        self._ctl("stop_app")
         _wait_closed(self.port, 20)
 
     def start_app(self) -> None:
-        subprocess.run([*self.ctl, "start_app"], check=True, capture_output=True)
+        self._ctl("start_app")
         _wait_port(self.port, 60, "RabbitMQ")
 
     def add_vhost(self, vhost: str) -> None:
-        subprocess.run([*self.ctl, "add_vhost", vhost], check=True, capture_output=True)
-        subprocess.run(
-            [*self.ctl, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"],
-            check=True,
-            capture_output=True,
-        )
+        self._ctl("add_vhost", vhost)
+        self._ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
 
     def stop(self) -> None:
-        subprocess.run([*self.ctl, "stop"], check=False, capture_output=True, timeout=60)
+        self._ctl("stop", check=False, timeout=60)
         pid_file = self.directory / "pid"
         with contextlib.suppress(OSError, ValueError):
             os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
