@@ -17,6 +17,7 @@ from services.executor.executor import Executor
 from services.executor.http import HttpClient
 from services.executor.targets import AmqpTargets, Webhooks
 from shared.contract import codec, delivery, keys, validation
+from shared.contract.entries import Claimed
 from shared.policy import netpolicy
 from shared.postgres import bulk
 from shared.postgres.store import Store
@@ -152,7 +153,7 @@ async def test_an_amqp_delivery_refused_by_policy_takes_no_probe_of_its_rate_key
         workers=1,
     )
     assert not result.refused
-    claimed: list[delivery.Occurrence] = []
+    claimed: list[Claimed] = []
     deadline = time.monotonic() + 5
     while not claimed and time.monotonic() < deadline:
         claimed = [c for r in await index.claim(range(index.shards), 10, 30_000) for c in r.claimed]

@@ -76,7 +76,7 @@ def test_supervise_stops_on_a_signal_that_comes_before_its_children_exist(
         return child
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(procs.subprocess, "Popen", popen)
+    monkeypatch.setattr(subprocess, "Popen", popen)
     try:
         assert procs.supervise("executor", 3, 0) in (0, -signal.SIGTERM)
     finally:
