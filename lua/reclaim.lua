@@ -16,6 +16,7 @@ local due, lease, occ, sched = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local limit = tonumber(ARGV[1])
 --!include lib/clock.lua
 local now = clock_ms(ARGV[2])
+--!include lib/requeue.lua
 
 local expired = redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, limit)
 local out = {0, 0}
@@ -30,9 +31,7 @@ for _, member in ipairs(expired) do
     -- Unreadable state: keep the lease (a minute on) rather than lose the occurrence.
     redis.call('ZADD', lease, now + 60000, member)
   elseif current and redis.call('HEXISTS', sched, base) == 1 then
-    redis.call('ZREM', lease, member)
-    redis.call('HSET', occ, member, nominal .. '|' .. attempt .. '||' .. tail)
-    redis.call('ZADD', due, now, member)
+    requeue(due, lease, occ, member, nominal, attempt, tail, now, false)
     out[1] = out[1] + 1
     out[#out + 1] = member
   else

@@ -15,20 +15,14 @@ local due, lease, occ = KEYS[1], KEYS[2], KEYS[3]
 local now = clock_ms(ARGV[1])
 
 --!include lib/revoked.lua
+--!include lib/requeue.lua
 
 local results = {}
 for i = 2, #ARGV, 2 do
   local member, token = ARGV[i], ARGV[i + 1]
-  local current = redis.call('HGET', occ, member)
-  local nominal, attempt, current_token, fires
-  if current then
-    nominal, attempt, current_token, fires =
-      string.match(current, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
-  end
+  local nominal, attempt, current_token, tail = occ_fields(redis.call('HGET', occ, member))
   if current_token == token then
-    redis.call('ZREM', lease, member)
-    redis.call('HSET', occ, member, nominal .. '|' .. attempt .. '||' .. fires)
-    redis.call('ZADD', due, now, member)
+    requeue(due, lease, occ, member, nominal, attempt, tail, now, false)
     results[#results + 1] = 1
   else
     free_revoked(occ, member, token)

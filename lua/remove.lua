@@ -15,12 +15,14 @@
   KEYS[6] bf     HASH  ns/id  -> a running backfill (backfill.lua): dropped with its member
                               `ns/id#b` (one in flight becomes stale, its marker `ns/id#b!`
                               holding the same id created again the same way)
+  KEYS[7] pkm    HASH  member -> parked deadline (park.lua): the mark goes with its member
   ARGV[1] now_ms (ms, optional: '' reads the server clock; tests only)
   ARGV[2..] pairs: member, version ('' : whatever version is stored)
 
   Returns one code per pair: 1 removed, 0 not indexed, -1 stale (a newer version is stored).
 ]]
 local due, lease, occ, sched, gone, bf = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local pkm = KEYS[7]
 --!include lib/clock.lua
 local now = clock_ms(ARGV[1])
 
@@ -49,6 +51,7 @@ for i = 2, #ARGV, 2 do
     local existed = redis.call('HDEL', sched, member)
     existed = existed + redis.call('ZREM', due, member) + redis.call('ZREM', lease, member)
     redis.call('HDEL', occ, member)
+    redis.call('HDEL', pkm, member)
     if redis.call('HDEL', bf, member) == 1 then
       local backfill = member .. '#b'
       keep_in_flight(lease, occ, backfill)

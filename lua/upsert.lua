@@ -19,6 +19,8 @@
   KEYS[4] sched  HASH  ns/id  -> compact schedule (starts with {"v":<version>)
   KEYS[5] gone   HASH  ns/id  -> "version|ms|kind" tombstone (kind f: finished, d: deleted)
   KEYS[6] bf     HASH  ns/id  -> "generation|to_ms|remaining|start|paused" (backfill.lua)
+  KEYS[7] pkm    HASH  member -> parked deadline (ms) of an occurrence parked behind a rate key
+                        (park.lua)
   ARGV sextuples: member, version, schedule, mode,
                   next_fire_ms ('' : none), next_occ ('' : default state)
     mode 'keep'   : store the schedule; keep its rotation if it has one (due or in flight),
@@ -27,6 +29,11 @@
                     start at next_fire_ms
     mode 'resume' : the rotation goes on after a pause: as 'reset', unless it finished
     mode 'park'   : store the schedule; revoke and take it out of rotation (paused)
+
+  An occurrence parked behind a rate key (park.lua) is released by any write that keeps its
+  rotation ('keep'): it comes due now, not at its safety deadline, and is held again only if
+  its target (perhaps a new one, under another rate key) is still closed. Any other write takes
+  it out of `due` (its entry in the key's parked set is dropped as stale by unpark.lua).
 
   A schedule's backfill (member `ns/id#b`) follows its pause: 'park' takes it out of `due`
   (one in flight may finish; its next occurrence then waits), any other write resumes it where
@@ -38,6 +45,8 @@
   or a tombstone at least as new).
 ]]
 local due, lease, occ, sched, gone, bf = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local pkm = KEYS[7]
+--!include lib/clock.lua
 
 local function follow_pause(member, mode)
   local held = redis.call('HGET', bf, member)
@@ -73,6 +82,7 @@ end
 
 local function revoke(member)
   keep_in_flight(lease, occ, member)
+  redis.call('HDEL', pkm, member)
   redis.call('ZREM', due, member)
   redis.call('ZREM', lease, member)
   redis.call('HDEL', occ, member)
@@ -89,6 +99,20 @@ end
 
 local function in_rotation(member)
   return redis.call('ZSCORE', due, member) or redis.call('ZSCORE', lease, member)
+end
+
+-- A parked occurrence (still at its parked deadline) comes due now: its schedule changed, and
+-- may no longer wait on the key it was parked behind.
+local function unpark(member)
+  local deadline = redis.call('HGET', pkm, member)
+  if not deadline then
+    return
+  end
+  redis.call('HDEL', pkm, member)
+  local score = redis.call('ZSCORE', due, member)
+  if score and tonumber(score) == tonumber(deadline) then
+    redis.call('ZADD', due, clock_ms(nil), member)
+  end
 end
 
 local results = {}
@@ -120,6 +144,8 @@ for i = 1, #ARGV, 6 do
       start(member, next_fire, next_occ)
     elseif not in_rotation(member) then
       start(member, next_fire, next_occ)
+    else
+      unpark(member)
     end
     follow_pause(member, mode)
     results[#results + 1] = (stays_finished and mode ~= 'park') and 2 or 1

@@ -10,12 +10,21 @@ wave of claims), the dispatcher's and the sweeper's, the Redis server's (``INFO 
 the whole server, so anything else using it is counted too), the holds counted by the
 executors (``cronbus_rate_held_total``), the deliveries that reached the target, and the load
 average of the machine at the start, middle and end (a shared machine skews every figure).
+
+The holds are also read every second: the most in any one second over the run and over its
+second half (``holds_peak_per_s``). Parked occurrences come back by themselves at their safety
+deadline (``CRONBUS_PARK_SAFETY_S``, which the services take from the environment: shorten it
+to see one within the run), and are held again then: the peak shows whether they came back
+spread out or all at once. At the middle of the run the bench also reads the parked
+occurrences' deadlines from Redis, and reports the most due in any one second
+(``parked_due_peak_per_s``) and how many seconds they span.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import socket
 import time
@@ -26,7 +35,7 @@ import redis.asyncio as aioredis
 from cronbus.bench import cpu, harness
 from cronbus.bench.harness import AnySink, Corner, Kinds, Run
 from cronbus.cli.sink import Sink
-from shared.contract import codec, timefmt
+from shared.contract import codec, keys, timefmt
 
 
 def held_lines(n: int, first_ms: int, url: str) -> Any:
@@ -82,6 +91,47 @@ def _percent(before: dict[int, float], after: dict[int, float], seconds: float) 
     ]
 
 
+def peak_per_s(series: list[tuple[float, float]]) -> float:
+    """The largest increase per second between consecutive samples of a counter (monotonic
+    s, value); 0 with fewer than two samples."""
+    rates = [(v1 - v0) / (t1 - t0) for (t0, v0), (t1, v1) in itertools.pairwise(series) if t1 > t0]
+    return round(max(rates, default=0.0), 1)
+
+
+def deadline_spread(deadlines_ms: list[float]) -> dict[str, Any]:
+    """The most parked deadlines falling in any one second, and the seconds they span."""
+    if not deadlines_ms:
+        return {"parked": 0, "parked_due_peak_per_s": 0, "parked_due_span_s": 0.0}
+    per_second: dict[int, int] = {}
+    for ms in deadlines_ms:
+        second = int(ms // 1000)
+        per_second[second] = per_second.get(second, 0) + 1
+    return {
+        "parked": len(deadlines_ms),
+        "parked_due_peak_per_s": max(per_second.values()),
+        "parked_due_span_s": round((max(deadlines_ms) - min(deadlines_ms)) / 1000, 1),
+    }
+
+
+async def _parked_deadlines(found: Corner) -> list[float]:
+    """The deadlines in due of every occurrence parked now, over every shard."""
+    settings = found.redis_settings()
+    names = keys.RedisKeys(found.prefix)
+    client = found.redis_node()
+    deadlines: list[float] = []
+    try:
+        for shard in range(settings.shards):
+            for rate_key in await client.zrange(names.parked(shard), 0, -1):
+                name = rate_key.decode() if isinstance(rate_key, bytes) else str(rate_key)
+                pairs: list[Any] = await client.zrange(
+                    names.parked_on(shard, name), 0, -1, withscores=True
+                )
+                deadlines += [float(pair[1]) for pair in pairs]
+    finally:
+        await client.aclose()
+    return deadlines
+
+
 def held_figures(
     samples: list[tuple[float, dict[str, dict[int, float]], float, float]],
 ) -> dict[str, Any]:
@@ -112,13 +162,24 @@ async def _measured(
     await asyncio.sleep(max(due_ms / 1000 - time.time(), 0))
     samples = []
     loads = []
-    for wait_s in (0.0, args.duration / 2, args.duration / 2):
-        await asyncio.sleep(wait_s)
+    series: list[tuple[float, float]] = []
+    spread: dict[str, Any] = {}
+    start = time.monotonic()
+    for at_s in (0.0, args.duration / 2, args.duration):
+        # Every second until the next CPU sample: the holds, for their peak per second.
+        while time.monotonic() - start < at_s - 1:
+            series.append((time.monotonic(), await _holds(run)))
+            await asyncio.sleep(max(0.0, 1 - (time.monotonic() - series[-1][0])))
+        await asyncio.sleep(max(0.0, start + at_s - time.monotonic()))
         sample = _sample(run)
         redis_s = await _redis_cpu_s(found.redis_url)
         holds = await _holds(run)
         samples.append((time.monotonic(), sample, redis_s, holds))
+        series.append((samples[-1][0], holds))
         loads.append([round(v, 2) for v in os.getloadavg()])
+        if at_s == args.duration / 2:
+            spread = deadline_spread(await _parked_deadlines(found))
+    middle = samples[1][0]
     received = len(sink.received) if isinstance(sink, Sink) else None
     return {
         "n": n,
@@ -126,6 +187,10 @@ async def _measured(
         "target": args.target,
         "executors": len(run.pids("executor")),
         **held_figures(samples),
+        "holds_peak_per_s": peak_per_s(series),
+        "holds_peak_per_s_second_half": peak_per_s([p for p in series if p[0] >= middle]),
+        **spread,
+        "park_safety_s": os.environ.get("CRONBUS_PARK_SAFETY_S", "900"),
         "deliveries_reaching_target": received,
         "load_avg_start_mid_end": loads,
         "import_s": round(import_s, 2),

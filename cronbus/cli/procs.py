@@ -113,10 +113,36 @@ class ServiceProcess:
             self.popen.send_signal(sig)
 
     def signal_group(self, sig: int) -> None:
-        """``sig`` to the child's whole process group (it leads one: ``start``). Not once the
-        child was reaped: its id may then name someone else's group."""
-        if self.popen.returncode is None:
+        """``sig`` to the child's whole process group (it leads one: ``start``). Only while
+        the child is not reaped (running, or exited and not yet waited for): until then its
+        id, and so its group's, cannot name anyone else's. ``returncode`` alone would not
+        tell: a wait that reaped it may not have set it yet (a signal handler runs between
+        the two), or someone else may have reaped it."""
+        if self.reaped() is not True:
             self._killpg(sig)
+
+    def reaped(self) -> bool | None:
+        """True once the child was reaped; False while it runs; None: it exited and waits to
+        be reaped (its id still held). Checked without reaping it (``WNOWAIT``)."""
+        if self.popen.returncode is not None:
+            return True
+        if not hasattr(os, "waitid"):  # not on every platform: returncode is all there is
+            return False
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        return None if info is not None else False
+
+    def wait_exit(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the child to exit, without reaping it (so its group's
+        id stays ours to signal); False when it is still running."""
+        deadline = time.monotonic() + timeout_s
+        while self.reaped() is False:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _killpg(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -203,14 +229,13 @@ def stop_all(processes: list[ServiceProcess], timeout_s: float = GRACE_S) -> Non
         process.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for process in pending:
-        try:
-            process.popen.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
+        if not process.wait_exit(max(deadline - time.monotonic(), 0.1)):
             process.signal_group(signal.SIGKILL)
-            process.popen.wait()
-        # Whatever the child started and left in its group goes too (the group's id stays
-        # taken while it has members, so it is still theirs).
-        process._killpg(signal.SIGKILL)
+            process.wait_exit(GRACE_S)
+        # Whatever the child started and left in its group goes too, while the child is not
+        # reaped yet (its id, so the group's, cannot be anyone else's until then).
+        process.signal_group(signal.SIGKILL)
+        process.popen.wait()
     with _started_lock:
         _started[:] = [p for p in _started if p not in processes]
 
@@ -268,13 +293,15 @@ def run_until_signal(main: Coroutine[Any, Any, T]) -> T:
 def supervise(name: str, count: int, base_port: int) -> int:
     """Run ``count`` processes of a service (metrics ports ``base_port`` + i), restarting one
     that dies, until SIGTERM or SIGINT, which is passed on to all of them."""
-    stopping = False
+    # The signal received (0: none yet). The handler only records it: it may come at any
+    # point, before the children exist or in the middle of a wait that reaps one; the loop
+    # below passes it on.
+    stopping = 0
+    children: list[ServiceProcess] = []
 
     def stop(signum: int, _frame: object) -> None:
         nonlocal stopping
-        stopping = True
-        for child in children:
-            child.signal(signum)
+        stopping = signum
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -290,16 +317,21 @@ def supervise(name: str, count: int, base_port: int) -> int:
         )
         return ServiceProcess(name, popen, port, Path(os.devnull))
 
-    children = [launch(i) for i in range(count)]
+    for i in range(count):
+        if stopping:
+            break
+        children.append(launch(i))
     restarts = [0.0] * count
     while not stopping:
-        time.sleep(0.5)
+        time.sleep(0.1)
         for i, child in enumerate(children):
-            if child.alive() or stopping:
+            if stopping or child.alive():
                 continue
             # A crash is restarted, at most once every few seconds.
             if time.monotonic() - restarts[i] > 5:
                 restarts[i] = time.monotonic()
                 children[i] = launch(i)
+    for child in children:
+        child.signal(stopping)
     codes = [child.popen.wait() for child in children]
     return max(codes, default=0)

@@ -145,6 +145,7 @@ class Executor:
             settings.breaker_failures,
             limits.MAX_RESERVE_MS,
             settings.complete_flush_ms,
+            safety_ms=round(settings.park_safety_s * 1000),
         )
         self.limits = limits.Limits(
             index,
@@ -366,14 +367,19 @@ class Executor:
             if now is None:
                 return
             chosen = settle.missed_choice(occ, now)
+            admission: limits.Admission | None = None
             if chosen == occ.nominal_ms:
-                admission = await self.limits.admit(occ)
-                if admission.code == limits.HELD:
-                    await self._park(occ, admission)
-                    return
-                if admission.code == limits.WAIT:
-                    # A reserved slot at most MAX_RESERVE_MS ahead: bounded, so waited out here.
-                    await asyncio.sleep(admission.ms / 1000)
+                # A delivery its target's policy refuses (it ends dead, nothing sent) never
+                # goes through the rate gate: it must not take the breaker's one probe, nor a
+                # token of the rate limit, from the deliveries that can go.
+                if not self.amqp_targets.refuses(occ):
+                    admission = await self.limits.admit(occ)
+                    if admission.code == limits.HELD:
+                        await self._park(occ, admission)
+                        return
+                    if admission.code == limits.WAIT:
+                        # A reserved slot at most MAX_RESERVE_MS ahead: bounded, waited out.
+                        await asyncio.sleep(admission.ms / 1000)
                 outcome, started, finished = await self._deliver(occ, key)
                 # Clocks: the host times the attempt; what it decides (the misfire, the next
                 # run of an after_completion schedule) is placed on the Redis clock.
@@ -381,7 +387,8 @@ class Executor:
                 settled_now = now + (finished - begun)
         if chosen == occ.nominal_ms:
             outcome = self.limits.capped(outcome)
-            await self.limits.report(occ, admission, outcome)
+            if admission is not None:
+                await self.limits.report(occ, admission, outcome)
         if chosen != occ.nominal_ms:
             self._log_misfire(occ, chosen)
             await self._settle(occ, settle.skip(occ, key, chosen, now))

@@ -14,7 +14,8 @@ fenced by the wake they read (``unpark.lua``).
 
 Nothing is lost on a crash: parking is one script (the occurrence is in lease before and in
 due after); a release is one script per shard; the safety deadline brings back whatever no
-executor released (``shared.policy.holds.SAFETY_MS``).
+executor released (``CRONBUS_PARK_SAFETY_S``, each occurrence's own a little apart:
+``shared.policy.holds.safety_ms_of``, so they do not all come back in one millisecond).
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ class Parking:
         breaker_failures: int,
         window_ms: int,
         flush_ms: int,
+        safety_ms: int = holds.SAFETY_MS,
     ) -> None:
         self.index = index
         self.stopping = stopping
         self.breaker_failures = breaker_failures
         self.window_ms = window_ms
+        self.safety_ms = safety_ms
         self._park = Batcher(
             self._flush_park, max_delay_ms=flush_ms, max_items=BATCH_ITEMS, name="park"
         )
@@ -65,7 +68,7 @@ class Parking:
         by_shard: dict[int, list[parked.ToPark]] = defaultdict(list)
         for shard, item in items:
             by_shard[shard].append(item)
-        codes = await parked.park(self.index, dict(by_shard), holds.SAFETY_MS)
+        codes = await parked.park(self.index, dict(by_shard), self.safety_ms)
         cursors = dict.fromkeys(codes, 0)
         ordered = []
         for shard, _ in items:

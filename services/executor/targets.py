@@ -217,6 +217,15 @@ class AmqpTargets:
                 )
             return self._channel
 
+    def refuses(self, occ: Occurrence) -> bool:
+        """Whether ``occ`` is an AMQP delivery the exchange policy refuses (as ``deliver``
+        would: checked before its rate gate, so a refused one takes no probe nor token)."""
+        target = occ.plan.target
+        return (
+            isinstance(target, AmqpPlan)
+            and self.policy.refusal(occ.namespace, target.exchange) is not None
+        )
+
     async def deliver(self, occ: Occurrence, key: str) -> Outcome:
         target = occ.plan.target
         assert isinstance(target, AmqpPlan)

@@ -94,6 +94,15 @@ class RedisKeys:
         """HASH rate key -> ``interval_ms|burst``: the limit of each parked rate key."""
         return f"{self.prefix}:{{{shard}}}:parkrate"
 
+    def parked_marks(self, shard: int) -> str:
+        """HASH member -> its parked deadline in due (ms): the occurrences of the shard parked
+        behind some rate key, so that a write of their schedule releases them (upsert.lua)."""
+        return f"{self.prefix}:{{{shard}}}:pkm"
+
+    def parked_on_pattern(self, shard: int) -> str:
+        """A SCAN pattern of every ``parked_on`` set of the shard."""
+        return f"{self.prefix}:{{{shard}}}:pk:*"
+
     def parked_on(self, shard: int, rate_key: str) -> str:
         """ZSET member -> its parked deadline in due (ms): the occurrences of the shard parked
         behind one rate key."""

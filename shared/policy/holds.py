@@ -5,21 +5,29 @@ executors (``lua/unpark.lua``) when the key's wake time comes. What to release t
 here from the key's gate as Redis holds it (``gate.lua``'s keys): nothing while a Retry-After
 hold or an open breaker lasts (look again when it ends); one occurrence, the probe, when the
 breaker is half-open and no probe is in flight; as many as the limit lets through in the next
-window for a limited key; and the rest in chunks for a key that is clear.
+window for a limited key; and the rest in chunks for a key that is clear (``CHUNK`` a look
+over all shards together, so a breaker closing in front of 100,000 parked deliveries lets them
+through at a pace the executors can take, not all in one millisecond).
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: How long past its wake a parked occurrence comes due by itself should no executor release
 #: it (all stopped, or a registry entry lost): the cost of a key held for hours is one hold
-#: per occurrence per this long.
+#: per occurrence per this long (``CRONBUS_PARK_SAFETY_S``).
 SAFETY_MS = 900_000
-#: Most occurrences released per rate key, shard and look when the key is clear; the key is
-#: looked at again after ``CHUNK_WAKE_MS``, so a large parked set drains at a bounded pace.
+#: Each occurrence's safety deadline is moved by up to this share of it, either way, by a hash
+#: of its member: what was parked together comes back spread over a fifth of the safety
+#: time, not in one millisecond.
+SAFETY_SPREAD = 0.1
+#: Most occurrences released per rate key and look (over all shards) when the key is clear;
+#: the key is looked at again after ``CHUNK_WAKE_MS``, so a large parked set drains at a
+#: bounded pace (here 4,000 a second per key).
 CHUNK = 1000
 CHUNK_WAKE_MS = 250
 #: Released occurrences come due spread over this long (not all in the same millisecond).
@@ -52,9 +60,9 @@ class Limit:
 @dataclass(frozen=True, slots=True)
 class Release:
     """Release at most ``count`` of the key's parked occurrences (over all shards), and look
-    at the key again at ``next_wake_ms``. ``count`` None: a chunk per shard (the key is clear)."""
+    at the key again at ``next_wake_ms``."""
 
-    count: int | None
+    count: int
     next_wake_ms: int
 
 
@@ -83,7 +91,7 @@ def decide(gate: Gate, limit: Limit, now_ms: int, threshold: int, window_ms: int
             return Release(0, gate.probe_until)
         return Release(1, now_ms + PROBE_LOOK_MS)
     if limit.interval_ms <= 0:
-        return Release(None, now_ms + CHUNK_WAKE_MS)
+        return Release(CHUNK, now_ms + CHUNK_WAKE_MS)
     return Release(slots_within(gate.tat, limit, now_ms, window_ms), now_ms + window_ms)
 
 
@@ -97,15 +105,23 @@ def slots_within(tat: float, limit: Limit, now_ms: int, window_ms: int) -> int:
     return math.floor((horizon - allowed_at) / limit.interval_ms) + 1
 
 
-def share(count: int | None, shards: Sequence[int], turn: int) -> dict[int, int]:
+def share(count: int, shards: Sequence[int], turn: int) -> dict[int, int]:
     """``count`` split between the shards that park the key, evenly, the remainder going to
-    shards in turn (``turn`` rotates it, so a probe does not always come from one shard).
-    None: a chunk each."""
+    shards in turn (``turn`` rotates it, so a probe does not always come from one shard)."""
     if not shards:
         return {}
-    if count is None:
-        return dict.fromkeys(shards, CHUNK)
     base, extra = divmod(count, len(shards))
     start = turn % len(shards)
     order = list(shards[start:]) + list(shards[:start])
     return {shard: base + (1 if i < extra else 0) for i, shard in enumerate(order)}
+
+
+def safety_ms_of(member: str, safety_ms: int) -> int:
+    """``member``'s own safety time: ``safety_ms`` moved by up to ``SAFETY_SPREAD`` of it
+    either way, the same for the same member every time (a stable hash, not a random draw, so
+    every executor parks it alike)."""
+    span = int(safety_ms * SAFETY_SPREAD)
+    if span <= 0:
+        return safety_ms
+    offset = zlib.crc32(member.encode()) % (2 * span + 1) - span
+    return safety_ms + offset

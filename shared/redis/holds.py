@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared.policy.holds import Gate
+from shared.policy.holds import Gate, safety_ms_of
 from shared.redis.index import Index
 
 
@@ -46,7 +46,8 @@ def _text(value: Any) -> str:
 async def park(
     index: Index, items: dict[int, list[ToPark]], safety_ms: int, now_ms: int | None = None
 ) -> dict[int, list[int]]:
-    """Per shard, 1 parked or 0 stale for each item."""
+    """Per shard, 1 parked or 0 stale for each item. Each comes due by itself about
+    ``safety_ms`` past its wake, spread by its member (``safety_ms_of``)."""
     calls = []
     for shard, batch in items.items():
         keys = [
@@ -55,11 +56,13 @@ async def park(
             index.keys.occ(shard),
             index.keys.parked(shard),
             index.keys.parked_rates(shard),
+            index.keys.parked_marks(shard),
             *[index.keys.parked_on(shard, p.rate_key) for p in batch],
         ]
-        args: list[Any] = ["" if now_ms is None else now_ms, safety_ms]
+        args: list[Any] = ["" if now_ms is None else now_ms]
         for p in batch:
-            args += [p.member, p.token, p.rate_key, p.wake_ms, p.limit]
+            safety = safety_ms_of(p.member, safety_ms)
+            args += [p.member, p.token, p.rate_key, p.wake_ms, p.limit, safety]
         calls.append(("park", keys, args))
     replies = await index.run(calls)
     return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
@@ -123,6 +126,7 @@ async def unpark(
             index.keys.occ(shard),
             index.keys.parked(shard),
             index.keys.parked_rates(shard),
+            index.keys.parked_marks(shard),
             *[index.keys.parked_on(shard, r.rate_key) for r in batch],
         ]
         args: list[Any] = ["" if now_ms is None else now_ms, spread_ms]

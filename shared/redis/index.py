@@ -82,6 +82,7 @@ class Index:
             "bf": self.keys.backfill,
             "parked": self.keys.parked,
             "rates": self.keys.parked_rates,
+            "pkm": self.keys.parked_marks,
         }
         return [names[role](shard) for role in roles]
 
@@ -253,19 +254,6 @@ class Index:
             int(float(held or 0)),
         )
 
-    async def defer(self, items: dict[int, list[tuple[str, int, int]]]) -> dict[int, list[int]]:
-        """Per shard, (member, token, at ms) -> 1 deferred (flagged catch-up) or 0 stale."""
-        calls = [
-            (
-                "defer",
-                self._keys(s, "due", "lease", "occ"),
-                [v for item in batch for v in item],
-            )
-            for s, batch in items.items()
-        ]
-        replies = await self._pipeline(calls)
-        return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
-
     async def release(
         self, items: dict[int, list[tuple[str, int]]], now_ms: int | None = None
     ) -> dict[int, list[int]]:
@@ -305,7 +293,11 @@ class Index:
             for u in batch:
                 args += [u.member, u.version, u.plan, u.mode, _opt(u.next_fire_ms), u.next_occ]
             calls.append(
-                ("upsert", self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf"), args)
+                (
+                    "upsert",
+                    self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf", "pkm"),
+                    args,
+                )
             )
         replies = await self._pipeline(calls)
         return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}
@@ -318,7 +310,7 @@ class Index:
         calls = [
             (
                 "remove",
-                self._keys(s, "due", "lease", "occ", "sched", "gone", "bf"),
+                self._keys(s, "due", "lease", "occ", "sched", "gone", "bf", "pkm"),
                 [_opt(now_ms), *[v for member, version in batch for v in (member, _opt(version))]],
             )
             for s, batch in items.items()
@@ -349,8 +341,20 @@ class Index:
         """Drop every shard's keys (an index found stale is rebuilt from scratch)."""
         for shard in range(self.shards):
             await self.client.unlink(
-                *self._keys(shard, "due", "lease", "occ", "sched", "gone", "bf", "parked", "rates")
+                *self._keys(
+                    shard, "due", "lease", "occ", "sched", "gone", "bf", "parked", "rates", "pkm"
+                )
             )
+            # The parked sets are one per rate key: found by name.
+            pattern = self.keys.parked_on_pattern(shard)
+            found: list[Any] = []
+            async for name in self.client.scan_iter(match=pattern, count=1000):
+                found.append(name)
+                if len(found) >= 1000:
+                    await self.client.unlink(*found)
+                    found = []
+            if found:
+                await self.client.unlink(*found)
 
     async def knows(self, shard: int, member: str) -> bool:
         """Whether the member is due, in flight or has an occurrence state in the index."""

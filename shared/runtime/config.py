@@ -231,6 +231,10 @@ class ExecutorSettings(WebhookPolicySettings):
     breaker_failures: int = Field(default=20, ge=1, le=1_000_000)
     #: How long an open breaker holds its rate key before one probe is let through.
     breaker_cooldown_s: float = Field(default=30, gt=0, le=86_400)
+    #: How long past its rate key's wake a parked delivery comes due by itself should no
+    #: executor release it (each one's own time differs by up to a tenth either way): the
+    #: cost of a target down for hours is one hold per parked delivery per this long.
+    park_safety_s: float = Field(default=900, ge=1, le=86_400)
     #: Namespaces that get their own label in per-namespace metrics; the rest are 'other'.
     metrics_max_namespaces: int = Field(default=100, ge=0, le=10_000)
 

@@ -1,6 +1,6 @@
 """Deliveries held behind a closed gate are parked once, and delayed, never lost: delivered
 after the breaker's cooldown even when the executor is killed (SIGKILL) while they are parked;
-a pause while parked is honoured."""
+a pause while parked is honoured; a change of target while parked is delivered at once."""
 
 from __future__ import annotations
 
@@ -51,12 +51,14 @@ async def until(check: Any, timeout_s: float) -> bool:
     return False
 
 
-async def upsert_held(client: CommandClient, sink: Sink, due_ms: int) -> None:
+async def upsert_held(
+    client: CommandClient, sink: Sink, due_ms: int, target: dict[str, Any] | None = None
+) -> None:
     schedules = [
         {
             "id": f"held{i}",
             "spec": {"kind": "once", "at": timefmt.format_ms(due_ms)},
-            "target": webhook(sink, "/down", rate_key="down-api"),
+            "target": target or webhook(sink, "/down", rate_key="down-api"),
             "retry": {"max_attempts": 20, "initial_backoff_s": 0.2, "full_jitter": False},
             # Judged late twice, `skip` would drop it: a parked occurrence must not be.
             "misfire": {"policy": "skip"},
@@ -72,15 +74,24 @@ def delivered_ok(sink: Sink) -> set[str]:
 
 
 async def open_breaker_and_park(
-    stack: Stack, sink: Sink, client: CommandClient, endpoints: services.Endpoints, prefix: str
-) -> None:
-    """Every delivery fails until the breaker of ``down-api`` is open and some are parked."""
+    stack: Stack,
+    sink: Sink,
+    client: CommandClient,
+    endpoints: services.Endpoints,
+    prefix: str,
+    parked: int = HELD // 2,
+    env: dict[str, str] = FAST_BREAKER,
+) -> int:
+    """Every delivery fails until the breaker of ``down-api`` is open and some are parked;
+    returns their due time."""
     sink.respond = lambda _: 500
-    await stack.start_all(("dispatcher", "executor", "sweeper"), **FAST_BREAKER)
-    await upsert_held(client, sink, (int(time.time()) + 2) * 1000)
-    assert await until(lambda: _parked_at_least(endpoints.redis_url, prefix, HELD // 2), 30), (
+    await stack.start_all(("dispatcher", "executor", "sweeper"), **env)
+    due_ms = (int(time.time()) + 2) * 1000
+    await upsert_held(client, sink, due_ms)
+    assert await until(lambda: _parked_at_least(endpoints.redis_url, prefix, parked), 30), (
         stack.tails()
     )
+    return due_ms
 
 
 async def _parked_at_least(url: str, prefix: str, count: int) -> bool:
@@ -129,3 +140,28 @@ async def test_a_pause_while_parked_is_honoured(
         r for r in sink.received if r.schedule == "acme/held0" and r.at_ms > paused_at_ms
     ]
     assert after_pause == [], after_pause
+
+
+async def test_a_change_of_target_while_parked_is_delivered_at_once(
+    stack: Stack,
+    sink: Sink,
+    client: CommandClient,
+    endpoints: services.Endpoints,
+    redis_prefix: str,
+) -> None:
+    # The breaker of down-api stays open a minute: what is parked behind it would wait that
+    # long (and its safety deadline far longer) were the change of target not to release it.
+    slow_breaker = {**FAST_BREAKER, "CRONBUS_BREAKER_COOLDOWN_S": "60"}
+    due_ms = await open_breaker_and_park(
+        stack, sink, client, endpoints, redis_prefix, parked=HELD, env=slow_breaker
+    )
+    sink.respond = lambda request: 200 if request.path.startswith("/up") else 500
+    moved_at_ms = time.time() * 1000
+    await upsert_held(client, sink, due_ms, target=webhook(sink, "/up"))
+    everyone = {f"acme/held{i}" for i in range(HELD)}
+    assert await sink.wait_for(lambda s: everyone <= delivered_ok(s), timeout_s=10), (
+        sorted(delivered_ok(sink)),
+        stack.tails(),
+    )
+    moved = [r for r in sink.received if r.status == 200]
+    assert all(r.path.startswith("/up") and r.at_ms >= moved_at_ms for r in moved)

@@ -17,6 +17,7 @@ from services.executor.executor import Executor
 from services.executor.http import HttpClient
 from services.executor.targets import AmqpTargets, Webhooks
 from shared.contract import codec, delivery, keys, validation
+from shared.contract.entries import Claimed
 from shared.policy import netpolicy
 from shared.postgres import bulk
 from shared.postgres.store import Store
@@ -131,3 +132,49 @@ async def test_a_poison_delivery_message_ends_its_occurrences_dead_and_the_rotat
     assert "delivery_limit" in row["error"]
     due, lease, _ = await index.position(occ.shard, occ.member)
     assert lease is None and due == occ.nominal_ms + 2000  # the next one is placed
+
+
+async def test_an_amqp_delivery_refused_by_policy_takes_no_probe_of_its_rate_key(
+    index: Index, store: Store, connection: AbstractRobustConnection, redis_prefix: str
+) -> None:
+    # Stored before the exchange policy narrowed: refused at every delivery. It shares its rate
+    # key with deliveries that can go, whose breaker is half-open: the one probe is theirs.
+    item = {
+        "id": "refused",
+        "spec": {"kind": "interval", "every_s": 2},
+        "target": {"kind": "amqp", "exchange": "billing", "rate_key": "shared-api"},
+    }
+    result = await bulk.import_lines(
+        [codec.dumps(item)],
+        "ex",
+        store,
+        index,
+        validation.TargetPolicy(allowed_exchanges=("*",)),
+        workers=1,
+    )
+    assert not result.refused
+    claimed: list[Claimed] = []
+    deadline = time.monotonic() + 5
+    while not claimed and time.monotonic() < deadline:
+        claimed = [c for r in await index.claim(range(index.shards), 10, 30_000) for c in r.claimed]
+        await asyncio.sleep(0.05)
+    assert claimed, "nothing came due"
+    [occ] = delivery.decode(delivery.encode(claimed))
+    executor, webhooks, _ = await executor_with_clock(
+        index, store, connection, redis_prefix, skew_s=0
+    )
+    failures = executor.settings.breaker_failures
+    key = "ex|shared-api"
+    long_ago = int(time.time() * 1000) - 600_000
+    await index.report(
+        [(key, False, None)] * failures, failures, 30_000, 3_600_000, now_ms=long_ago
+    )
+    try:
+        live = await executor.hold([occ])
+        await executor.process(live[0])
+        await executor.drain()
+    finally:
+        await webhooks.close()
+    # The refused one ended dead without going through the gate: the probe is still free.
+    ((code, _, flags),) = await index.gate([(key, 0.0, 1, 10_000)], failures, 2000)
+    assert (code, flags & 1) == (0, 1)

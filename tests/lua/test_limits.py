@@ -1,9 +1,12 @@
-"""gate.lua, report.lua and defer.lua against the real Redis: GCRA slots, Retry-After holds,
-circuit breakers, deferrals that keep the attempt."""
+"""gate.lua, report.lua and park.lua against the real Redis: GCRA slots, Retry-After holds,
+circuit breakers, holds that keep the attempt."""
 
 from __future__ import annotations
 
 from shared.contract.entries import occ_state
+from shared.policy.holds import safety_ms_of
+from shared.redis import holds
+from shared.redis.holds import ToPark, ToRelease
 from shared.redis.index import Index
 from tests.lua.test_scripts import LEASE_MS, NOW, add
 
@@ -74,16 +77,20 @@ async def test_a_success_closes_the_breaker_and_resets_the_count(index: Index) -
     assert codes == [0, 0]
 
 
-async def test_defer_keeps_the_attempt_drops_the_token_and_flags_a_catch_up(
+async def test_park_keeps_the_attempt_drops_the_token_and_flags_a_catch_up(
     index: Index,
 ) -> None:
     await add(index, 0, "ns/a", NOW)
     claimed = (await index.claim([0], 10, LEASE_MS, now_ms=NOW))[0].claimed[0]
     await index.client.hset(index.keys.occ(0), "ns/a", occ_state(NOW, 2, claimed.token, 0))
-    codes = await index.defer({0: [("ns/a", claimed.token, NOW + 5000)]})
-    assert codes == {0: [1]}
+    held = ToPark("ns/a", claimed.token, KEY, NOW + 5000, "0.000|1")
+    assert await holds.park(index, {0: [held]}, 1000, now_ms=NOW) == {0: [1]}
     due, lease, occ = await index.position(0, "ns/a")
-    assert (due, lease, occ) == (NOW + 5000, None, occ_state(NOW, 2, "", 0, "c"))
-    assert await index.defer({0: [("ns/a", claimed.token, NOW + 9000)]}) == {0: [0]}
+    assert (lease, occ) == (None, occ_state(NOW, 2, "", 0, "c"))
+    assert due == NOW + 5000 + safety_ms_of("ns/a", 1000)
+    assert await holds.park(index, {0: [held]}, 1000, now_ms=NOW) == {0: [0]}
+    await holds.unpark(
+        index, {0: [ToRelease(KEY, NOW + 5000, 1, NOW + 6000)]}, 0, now_ms=NOW + 5000
+    )
     again = (await index.claim([0], 10, LEASE_MS, now_ms=NOW + 5000))[0].claimed[0]
     assert (again.nominal_ms, again.attempt, again.catch_up) == (NOW, 2, True)

@@ -30,9 +30,17 @@ def test_a_half_open_breaker_releases_one_probe_then_waits_for_it() -> None:
 
 
 def test_a_clear_key_releases_in_chunks() -> None:
-    assert decide(CLEAR) == Release(None, NOW + holds.CHUNK_WAKE_MS)
+    assert decide(CLEAR) == Release(holds.CHUNK, NOW + holds.CHUNK_WAKE_MS)
     # Failures under the threshold do not hold anything back.
-    assert decide(Gate(3, 0, 0, 0, 0.0)).count is None
+    assert decide(Gate(3, 0, 0, 0, 0.0)).count == holds.CHUNK
+
+
+@given(shards=st.lists(st.integers(0, 1023), min_size=1, max_size=1024, unique=True))
+def test_a_clear_key_releases_one_chunk_a_look_whatever_the_shards(shards: list[int]) -> None:
+    # A breaker closing in front of many parked deliveries: one look lets at most a chunk
+    # through over all the shards that park them (not a chunk in each).
+    release = decide(CLEAR)
+    assert sum(holds.share(release.count, shards, 0).values()) == holds.CHUNK
 
 
 def test_a_limited_key_releases_the_slots_of_the_next_window() -> None:
@@ -65,7 +73,6 @@ def test_share_splits_the_count_and_rotates_the_remainder() -> None:
     assert holds.share(1, [3, 5, 7], 0) == {3: 1, 5: 0, 7: 0}
     assert holds.share(1, [3, 5, 7], 1) == {5: 1, 7: 0, 3: 0}
     assert holds.share(7, [3, 5], 0) == {3: 4, 5: 3}
-    assert holds.share(None, [1, 2], 0) == {1: holds.CHUNK, 2: holds.CHUNK}
     assert holds.share(5, [], 0) == {}
 
 
@@ -73,3 +80,29 @@ def test_limits_round_trip_and_bad_text_is_no_limit() -> None:
     assert holds.parse_limit(holds.format_limit(200.0, 10)) == Limit(200.0, 10)
     assert holds.parse_limit("") == NONE
     assert holds.parse_limit("x|y") == NONE
+
+
+@given(member=st.text(max_size=300), safety=st.integers(1, 86_400_000))
+def test_a_members_safety_time_is_stable_and_within_a_tenth_either_way(
+    member: str, safety: int
+) -> None:
+    own = holds.safety_ms_of(member, safety)
+    assert own == holds.safety_ms_of(member, safety)
+    span = int(safety * holds.SAFETY_SPREAD)
+    assert safety - span <= own <= safety + span
+    assert own > 0
+
+
+def test_members_parked_together_come_back_spread_over_the_window() -> None:
+    # 10,000 members parked behind one key in the same millisecond: their safety deadlines
+    # cover the whole +-10% window, at most a handful in any one millisecond.
+    safety = holds.SAFETY_MS
+    times = [holds.safety_ms_of(f"acme/s{i}", safety) for i in range(10_000)]
+    span = int(safety * holds.SAFETY_SPREAD)
+    assert min(times) < safety - span * 0.9 and max(times) > safety + span * 0.9
+    per_second: dict[int, int] = {}
+    for t in times:
+        per_second[t // 1000] = per_second.get(t // 1000, 0) + 1
+    # 10,000 over 180 s: about 56 a second; a fair hash stays well under twice that.
+    assert max(per_second.values()) < 120
+    assert max(times.count(t) for t in set(times[:200])) <= 3

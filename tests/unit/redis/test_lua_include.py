@@ -58,5 +58,6 @@ def test_the_shipped_scripts_are_read_expanded() -> None:
     assert "local function clock_ms(given)" in scripts["forget"].source
     # The libraries declare no KEYS: each script's count is its own header's.
     assert scripts["begin"].key_count == 2
-    assert scripts["remove"].key_count == 6
+    assert scripts["remove"].key_count == 7
+    assert "local function requeue(" in scripts["park"].source
     assert "lib" not in scripts

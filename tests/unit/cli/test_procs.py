@@ -1,0 +1,90 @@
+"""Child processes (``cronbus.cli.procs``): a group is signalled only while its leader is
+ours, and a supervisor stops its children whenever the signal comes, even before they exist."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cronbus.cli import procs
+
+SLEEPER = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); " + (
+    "time.sleep(30)"
+)
+
+
+def _child(code: str = SLEEPER) -> procs.ServiceProcess:
+    popen = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    return procs.ServiceProcess("test", popen, 0, Path(os.devnull))
+
+
+def test_a_group_is_not_signalled_once_its_leader_was_reaped_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Reaped by someone else's wait (or by a wait a signal handler interrupted before it set
+    # returncode): returncode still says nothing, yet the id may name another group by now.
+    child = _child("pass")
+    os.waitpid(child.pid, 0)
+    assert child.popen.returncode is None
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: sent.append((pgid, sig)))
+    child.signal_group(signal.SIGKILL)
+    assert sent == []
+    assert child.reaped() is True
+    child.popen.wait()  # (finds it gone: sets returncode)
+
+
+def test_a_group_is_signalled_while_its_leader_runs_or_waits_to_be_reaped() -> None:
+    child = _child()
+    try:
+        assert child.reaped() is False
+        child.signal_group(signal.SIGTERM)
+        assert child.wait_exit(10)
+        # Exited, not reaped: its id is still ours.
+        assert child.reaped() is None
+        assert child.popen.returncode is None
+    finally:
+        child.popen.kill()
+        child.popen.wait()
+    assert child.reaped() is True
+
+
+def test_stop_all_stops_a_child_and_reaps_it() -> None:
+    child = _child()
+    procs.stop_all([child], timeout_s=10)
+    # 0, or SIGTERM's status when it came before the child's handler was set.
+    assert child.popen.returncode in (0, -signal.SIGTERM)
+
+
+def test_supervise_stops_on_a_signal_that_comes_before_its_children_exist(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # SIGTERM while the first child is being started: the supervisor stops the one started,
+    # starts no other, and returns (it raised NameError here before).
+    real_popen = subprocess.Popen
+    started: list[subprocess.Popen[bytes]] = []
+
+    def popen(args: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        child = real_popen([sys.executable, "-c", SLEEPER])
+        started.append(child)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return child
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    try:
+        assert procs.supervise("executor", 3, 0) in (0, -signal.SIGTERM)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for child in started:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    assert len(started) == 1
+    assert started[0].returncode in (0, -signal.SIGTERM)
