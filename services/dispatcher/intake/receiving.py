@@ -14,7 +14,7 @@ from typing import Any
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.dispatcher import batch
-from shared.contract import commands, keys, models, validation
+from shared.contract import commands, models, validation
 from shared.contract.errors import ValidationFailed
 from shared.contract.rows import CommandAudit
 from shared.rabbitmq import amqp
@@ -65,6 +65,12 @@ class Received:
     item_ids: list[str | None] = field(default_factory=list)
 
 
+class ReplyToRefused(ValidationFailed):
+    """``reply_to`` names a queue cronbus will not answer on (``shared.policy.replies``): the
+    command is dead-lettered unanswered. Known by its class, never by a field's name: a body
+    may well hold a field named ``reply_to``."""
+
+
 class Unparseable(ValidationFailed):
     """The message is not a command at all (or keeps failing): it goes to the dead-letter
     queue, answered or not."""
@@ -102,13 +108,6 @@ class Checks:
                 "internal",
                 f"the command was delivered {received.deliveries} times without an answer; "
                 "it is kept in the dead-letter queue",
-            )
-        if meta.reply_to and not keys.reply_queue_allowed(meta.reply_to):
-            raise ValidationFailed(
-                "invalid_command",
-                f"reply_to {meta.reply_to[:255]!r} is not allowed: replies go only to "
-                "amq.rabbitmq.reply-to or a server-named amq.gen-* queue",
-                [{"field": "reply_to", "reason": "must be amq.rabbitmq.reply-to or amq.gen-*"}],
             )
         if len(received.body) > self.settings.max_command_bytes:
             raise ValidationFailed(
