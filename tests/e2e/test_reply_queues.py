@@ -4,12 +4,16 @@ queue someone else consumes (docs/commands.md, "Where replies go")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import struct
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aio_pika
+import pamqp.encode
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
@@ -172,3 +176,66 @@ async def test_a_queue_exclusive_to_another_connection_is_answered(
                 break
             await asyncio.sleep(0.1)
         assert landed is not None and landed.correlation_id == "c-x"
+
+
+@contextlib.contextmanager
+def raw_strings() -> Iterator[None]:
+    """While open, this process publishes short strings holding lone surrogates as the raw
+    bytes they stand for, and a header table marked ``x-raw`` with a name that is not UTF-8:
+    what a client that does not check its bytes sends."""
+    saved = dict(pamqp.encode.METHODS)
+
+    def short_string(value: str) -> bytes:
+        raw = value.encode("utf-8", "surrogateescape")
+        return struct.pack(">B", len(raw)) + raw
+
+    def table(value: dict[str, Any]) -> bytes:
+        if "x-raw" not in value:
+            return saved["table"](value)
+        entry = b"\x04x-\xff\xfeS" + struct.pack(">I", 1) + b"v"
+        return struct.pack(">I", len(entry)) + entry
+
+    pamqp.encode.METHODS["shortstr"] = short_string
+    pamqp.encode.METHODS["table"] = table
+    try:
+        yield
+    finally:
+        pamqp.encode.METHODS.update(saved)
+
+
+async def test_properties_that_are_not_utf8_are_refused_and_the_intake_goes_on(
+    dispatcher: Stack, amqp_url: str
+) -> None:
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        mine = await channel.declare_queue(exclusive=True)
+        answers: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        tag = await mine.consume(answers.put, no_ack=True)
+        commands = await channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
+        hostile: list[dict[str, Any]] = [
+            {"reply_to": mine.name, "correlation_id": "c-\udcff"},
+            {"reply_to": mine.name, "correlation_id": "c-h", "headers": {"x-raw": "1"}},
+            {"reply_to": "amq_\udcff\udcfe", "correlation_id": "c-r"},
+        ]
+        with raw_strings():
+            for n, properties in enumerate(hostile):
+                await commands.publish(
+                    aio_pika.Message(upsert(f"raw-{n}"), **properties),
+                    routing_key="acme.upsert",
+                )
+        got = {}
+        for _ in range(2):
+            answer = await asyncio.wait_for(answers.get(), 10)
+            got[answer.correlation_id] = codec.loads(answer.body)
+        assert got["c-\ufffd"]["error"]["details"] == [
+            {"field": "correlation_id", "reason": "is not UTF-8"}
+        ]
+        assert got["c-h"]["error"]["details"] == [{"field": "headers", "reason": "is not UTF-8"}]
+        reasons = await dead_reasons(channel, 1)
+        assert len(reasons) == 1 and "is not UTF-8" in reasons[0], reasons
+        assert await refused_count(dispatcher) == 1
+        await mine.cancel(tag)
+        started = time.monotonic()
+        assert (await ask(channel, mine, upsert("after"), timeout_s=5))["ok"] is True
+        assert time.monotonic() - started < 2.0

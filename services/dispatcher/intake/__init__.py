@@ -116,9 +116,11 @@ class Intake:
     async def _apply(self, received: Received) -> dict[str, Any] | None:
         """The reply to send (None: none may be sent)."""
         try:
-            reply_to = received.meta.reply_to
+            meta = received.meta
             await transient.retry(
-                lambda: self.reply_queues.check(reply_to),
+                lambda: self.reply_queues.check(
+                    meta.reply_to, undecodable="reply_to" in meta.undecodable
+                ),
                 what="reply queue check",
                 stopping=self.stopping,
             )

@@ -17,7 +17,7 @@ from services.dispatcher import batch
 from shared.contract import commands, models, validation
 from shared.contract.errors import ValidationFailed
 from shared.contract.rows import CommandAudit
-from shared.rabbitmq import amqp
+from shared.rabbitmq import amqp, decoding
 from shared.rules.plan import Plan
 from shared.runtime.config import DispatcherSettings
 
@@ -33,16 +33,36 @@ class Meta:
     app_id: str | None = None
     message_id: str | None = None
 
+    #: The properties that were not UTF-8 (``shared.rabbitmq.decoding``): shown with U+FFFD
+    #: above, and refused.
+    undecodable: tuple[str, ...] = ()
+
     @classmethod
     def of(cls, message: AbstractIncomingMessage) -> Meta:
+        properties = {
+            "routing_key": message.routing_key or "",
+            "reply_to": message.reply_to,
+            "correlation_id": message.correlation_id,
+            "user_id": message.user_id,
+            "app_id": message.app_id,
+            "message_id": message.message_id,
+        }
+        bad = [name for name, value in properties.items() if decoding.undecodable(value)]
+        if decoding.UNDECODABLE_HEADER in (message.headers or {}):
+            bad.append("headers")
         return cls(
-            routing_key=message.routing_key or "",
-            reply_to=message.reply_to,
-            correlation_id=message.correlation_id,
-            user_id=message.user_id,
-            app_id=message.app_id,
-            message_id=message.message_id,
+            routing_key=decoding.readable(properties["routing_key"] or ""),
+            reply_to=_readable(properties["reply_to"]),
+            correlation_id=_readable(properties["correlation_id"]),
+            user_id=_readable(properties["user_id"]),
+            app_id=_readable(properties["app_id"]),
+            message_id=_readable(properties["message_id"]),
+            undecodable=tuple(bad),
         )
+
+
+def _readable(value: str | None) -> str | None:
+    return None if value is None else decoding.readable(value)
 
 
 @dataclass(slots=True)
@@ -108,6 +128,12 @@ class Checks:
                 "internal",
                 f"the command was delivered {received.deliveries} times without an answer; "
                 "it is kept in the dead-letter queue",
+            )
+        if meta.undecodable:
+            raise ValidationFailed(
+                "invalid_command",
+                f"AMQP properties are not UTF-8: {', '.join(meta.undecodable)}",
+                [{"field": name, "reason": "is not UTF-8"} for name in meta.undecodable],
             )
         if len(received.body) > self.settings.max_command_bytes:
             raise ValidationFailed(

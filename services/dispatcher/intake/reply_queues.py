@@ -56,10 +56,13 @@ class ReplyQueues:
             connection, self._connection = self._connection, None
             await connection.close()
 
-    async def check(self, reply_to: str | None) -> None:
-        """Raise ReplyToRefused unless a reply may go to ``reply_to`` (None: no reply)."""
+    async def check(self, reply_to: str | None, *, undecodable: bool = False) -> None:
+        """Raise ReplyToRefused unless a reply may go to ``reply_to`` (None: no reply);
+        ``undecodable``: the property was not UTF-8."""
         if not reply_to:
             return
+        if undecodable:
+            raise refused(reply_to, "is not UTF-8")
         shape = replies.shape_of(reply_to)
         if shape.route is Route.REFUSED:
             raise refused(reply_to, shape.reason)
