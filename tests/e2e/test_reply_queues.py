@@ -4,20 +4,20 @@ queue someone else consumes (docs/commands.md, "Where replies go")."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import base64
 import re
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aio_pika
-import pamqp.encode
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
 from shared.contract import codec, keys
+from tests.support import rawamqp
 from tests.support.stack import Stack
 
 HOOK = "http://127.0.0.1:9/hook"
@@ -178,31 +178,6 @@ async def test_a_queue_exclusive_to_another_connection_is_answered(
         assert landed is not None and landed.correlation_id == "c-x"
 
 
-@contextlib.contextmanager
-def raw_strings() -> Iterator[None]:
-    """While open, this process publishes short strings holding lone surrogates as the raw
-    bytes they stand for, and a header table marked ``x-raw`` with a name that is not UTF-8:
-    what a client that does not check its bytes sends."""
-    saved = dict(pamqp.encode.METHODS)
-
-    def short_string(value: str) -> bytes:
-        raw = value.encode("utf-8", "surrogateescape")
-        return struct.pack(">B", len(raw)) + raw
-
-    def table(value: dict[str, Any]) -> bytes:
-        if "x-raw" not in value:
-            return saved["table"](value)
-        entry = b"\x04x-\xff\xfeS" + struct.pack(">I", 1) + b"v"
-        return struct.pack(">I", len(entry)) + entry
-
-    pamqp.encode.METHODS["shortstr"] = short_string
-    pamqp.encode.METHODS["table"] = table
-    try:
-        yield
-    finally:
-        pamqp.encode.METHODS.update(saved)
-
-
 async def test_properties_that_are_not_utf8_are_refused_and_the_intake_goes_on(
     dispatcher: Stack, amqp_url: str
 ) -> None:
@@ -215,10 +190,14 @@ async def test_properties_that_are_not_utf8_are_refused_and_the_intake_goes_on(
         commands = await channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
         hostile: list[dict[str, Any]] = [
             {"reply_to": mine.name, "correlation_id": "c-\udcff"},
-            {"reply_to": mine.name, "correlation_id": "c-h", "headers": {"x-raw": "1"}},
+            {
+                "reply_to": mine.name,
+                "correlation_id": "c-h",
+                "headers": {rawamqp.RAW_HEADERS_MARK: "1"},
+            },
             {"reply_to": "amq_\udcff\udcfe", "correlation_id": "c-r"},
         ]
-        with raw_strings():
+        with rawamqp.raw_strings():
             for n, properties in enumerate(hostile):
                 await commands.publish(
                     aio_pika.Message(upsert(f"raw-{n}"), **properties),
@@ -239,3 +218,35 @@ async def test_properties_that_are_not_utf8_are_refused_and_the_intake_goes_on(
         started = time.monotonic()
         assert (await ask(channel, mine, upsert("after"), timeout_s=5))["ok"] is True
         assert time.monotonic() - started < 2.0
+
+
+async def test_a_token_the_broker_cannot_place_costs_its_own_reply_only(
+    dispatcher: Stack, amqp_url: str
+) -> None:
+    """A direct reply-to token of the broker's shape on a node it does not know: RabbitMQ
+    closes the connection that publishes to it. That is the replies connection, never the
+    intake's: the command is applied, its reply given up and counted, and the next commands
+    are answered, on direct reply-to too."""
+    node = b"reply@1"
+    pid = b"\x83Xv" + struct.pack(">H", len(node)) + node + struct.pack(">III", 1, 2, 3)
+    token = f"{keys.DIRECT_REPLY_TO}.{base64.b64encode(pid).decode()}.{'A' * 22}=="
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        commands = await channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
+        await commands.publish(
+            aio_pika.Message(upsert("unplaced"), reply_to=token, correlation_id="c-u"),
+            routing_key="acme.upsert",
+        )
+        for _ in range(100):
+            if await refused_count(dispatcher) == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert await refused_count(dispatcher) == 1, dispatcher.tails()
+        mine = await channel.declare_queue(exclusive=True)
+        started = time.monotonic()
+        assert (await ask(channel, mine, upsert("next"), timeout_s=5))["ok"] is True
+        assert time.monotonic() - started < 2.0
+        direct = await channel.declare_queue(keys.DIRECT_REPLY_TO, passive=True)
+        assert (await ask(channel, direct, upsert("direct"), timeout_s=10))["ok"] is True
+    assert "reply_to_unplaceable" in dispatcher.tails()
