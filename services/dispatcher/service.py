@@ -12,6 +12,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.intake import Intake
+from services.dispatcher.intake.reply_queues import ReplyQueues
 from services.dispatcher.leases import ShardLeases
 from shared.rabbitmq import amqp
 from shared.redis import connection
@@ -32,6 +33,7 @@ class DispatcherService(ServiceBase):
         self.consuming = False
         self._commands: set[asyncio.Task[None]] = set()
         self._dispatcher: Dispatcher | None = None
+        self._reply_queues: ReplyQueues | None = None
 
     def left_behind(self) -> dict[str, int]:
         """Commands not answered go back to the broker when the connection drops (a replay
@@ -77,8 +79,16 @@ class DispatcherService(ServiceBase):
 
         command_channel = await connections.amqp.channel(publisher_confirms=True)
         await command_channel.set_qos(prefetch_count=settings.commands_prefetch)
+        # Reply queue checks on a connection of their own (a refused check closes its channel).
+        reply_queues = self._reply_queues = ReplyQueues(settings.amqp_url)
         intake = Intake(
-            settings, connections.store, connections.index, command_channel, wake, stopping
+            settings,
+            connections.store,
+            connections.index,
+            command_channel,
+            wake,
+            stopping,
+            reply_queues=reply_queues,
         )
         if settings.shard_lease_s > 0:
             dispatcher.shards = []  # until the first leases are taken
@@ -120,6 +130,9 @@ class DispatcherService(ServiceBase):
         if self._commands:
             await asyncio.wait(self._commands, timeout=deadline - loop.time())
         await tasks.wait_all(max(deadline - loop.time(), 0))
+        if self._reply_queues is not None:
+            with contextlib.suppress(TimeoutError, *transient.ERRORS):
+                await asyncio.wait_for(self._reply_queues.close(), 1)
 
 
 async def _listen_for_wakes(

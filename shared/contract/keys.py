@@ -196,19 +196,11 @@ def quorum_queue_arguments(queue: str, *, delivery_limit: int | None = None) -> 
     return arguments
 
 
-#: Where replies may go: RabbitMQ's direct reply-to (the broker rewrites it to
-#: ``amq.rabbitmq.reply-to.<token>``) or a queue the broker named (``amq.gen-<random>``).
-#: Any other name could be another tenant's queue.
+#: Reply queues that need no check: RabbitMQ's direct reply-to (the broker rewrites it to
+#: ``amq.rabbitmq.reply-to.<token>``) and a queue the broker named (``amq.gen-<random>``).
+#: Any other name is answered only if exclusive (``shared.policy.replies``).
 DIRECT_REPLY_TO: Final = "amq.rabbitmq.reply-to"
 SERVER_NAMED_PREFIX: Final = "amq.gen-"
-
-
-def reply_queue_allowed(reply_to: str) -> bool:
-    return (
-        reply_to == DIRECT_REPLY_TO
-        or reply_to.startswith(DIRECT_REPLY_TO + ".")
-        or (reply_to.startswith(SERVER_NAMED_PREFIX) and len(reply_to) > len(SERVER_NAMED_PREFIX))
-    )
 
 
 def command_routing_key(namespace: str, verb: str) -> str:

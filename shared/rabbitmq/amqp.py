@@ -11,6 +11,7 @@ import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
 
 from shared.contract import keys
+from shared.rabbitmq import decoding
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,10 @@ RECONNECT_INTERVAL_S = 1.0
 
 
 async def connect(url: str, name: str) -> AbstractRobustConnection:
-    """A connection that reconnects by itself, named so operators can tell who is who."""
+    """A connection that reconnects by itself, named so operators can tell who is who.
+
+    Frames whose strings are not UTF-8 are read rather than fatal (``decoding``)."""
+    decoding.install()
     connection = await aio_pika.connect_robust(
         url,
         client_properties={"connection_name": name},

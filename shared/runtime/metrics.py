@@ -55,7 +55,9 @@ COMMAND_BATCH = Histogram(
 )
 REPLY_TO_REFUSED = Counter(
     "cronbus_reply_to_refused_total",
-    "Commands refused unanswered: reply_to was not direct reply-to or a server-named queue.",
+    "Commands refused unanswered (dead-lettered): reply_to was not direct reply-to, a "
+    "server-named queue or a queue exclusive to a connection; or the broker could not place "
+    "a direct reply-to token.",
 )
 
 # --- executor -----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import time
 import uuid
@@ -24,7 +25,7 @@ from hypothesis.errors import FlakyStrategyDefinition
 
 from shared.contract import codec, keys
 from shared.rabbitmq import amqp
-from tests.support import services
+from tests.support import rawamqp, services
 from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
@@ -331,7 +332,7 @@ async def test_hostile_amqp_targets_are_refused_naming_the_field_and_the_intake_
     assert found == {"pg:acme/own", "pg:acme/child", "pg:acme/star", "pg:acme/fine"}
 
 
-async def test_replies_go_only_to_server_named_or_direct_reply_queues(
+async def test_a_durable_queue_of_another_tenant_is_never_replied_to_and_direct_reply_to_is(
     stack: Stack,
     replies: Replies,
     endpoints: services.Endpoints,
@@ -510,6 +511,29 @@ ODD_ENCODINGS = st.sampled_from(
 )
 
 
+#: A durable queue of another tenant's, declared by the fuzz: no reply may land in it.
+VICTIM_QUEUE = "fz.inbox"
+#: reply_to values a tenant might try: someone's durable queue, a queue that does not exist,
+#: names the broker cannot take (the longest it can), control characters, bytes that are not
+#: UTF-8 (sent raw), and direct reply-to tokens the broker did not make (each of these made
+#: RabbitMQ close the connection that published to it).
+HOSTILE_REPLY_TO = [
+    VICTIM_QUEUE,
+    "billing.inbox",
+    "x" * 255,
+    "amq_" + "\u00e9" * 125,
+    "q\x00",
+    "q\n",
+    "amq_\udcff\udcfe",
+    "amq.rabbitmq.reply-to.a.b",
+    "amq.rabbitmq.reply-to.AAAA.AAAA",
+    "amq.rabbitmq.reply-to.gwAA.AAAA",
+    "amq.rabbitmq.reply-to.g2gCZAAFbm9uZ.AAAA",
+    "amq.rabbitmq.reply-to.",
+    "amq.rabbitmq.reply-to.x",
+]
+
+
 @dataclass(frozen=True)
 class Hostile:
     routing_key: str
@@ -544,7 +568,9 @@ def hostile_command(draw: st.DrawFn) -> Hostile:
         if draw(st.integers(0, 9))
         else st.sampled_from(["fz\n", "FZ", ""]) | st.text(max_size=20)
     )
-    reply_to = draw(st.sampled_from(["ours"] * 18 + ["none", "billing.inbox"]))
+    reply_to = draw(st.sampled_from(["ours"] * 16 + ["none"] + ["hostile"] * 3))
+    if reply_to == "hostile":
+        reply_to = draw(st.sampled_from(HOSTILE_REPLY_TO))
     hostile_properties = draw(st.integers(0, 9)) == 0
     message_id = draw(
         st.sampled_from(["m-1", "m-2", "m\x00"]) | st.text(max_size=20)
@@ -625,21 +651,23 @@ async def test_fuzz_thousands_of_hostile_commands_never_stall_the_intake(
         for c in generate_hostile(FUZZ_COMMANDS)
         if _fits_shortstr(c.routing_key) and _fits_shortstr(c.message_id)
     ]
+    victim = await replies.channel.declare_queue(VICTIM_QUEUE, durable=True)
     answered_by: dict[str, Hostile] = {}
     started = time.monotonic()
-    for i, command in enumerate(commands):
-        cid = f"{i}:{command.correlation_suffix}"
-        properties: dict[str, Any] = {"message_id": command.message_id, "correlation_id": cid}
-        if command.reply_to == "ours":
-            answered_by[cid] = command
-        else:
-            properties["reply_to"] = None if command.reply_to == "none" else command.reply_to
-        await replies.publish(
-            command.routing_key,
-            command.body,
-            reply=command.reply_to == "ours",
-            **properties,
-        )
+    with rawamqp.raw_strings():  # the reply_to values that are not UTF-8 go out as raw bytes
+        for i, command in enumerate(commands):
+            cid = f"{i}:{command.correlation_suffix}"
+            properties: dict[str, Any] = {"message_id": command.message_id, "correlation_id": cid}
+            if command.reply_to == "ours":
+                answered_by[cid] = command
+            else:
+                properties["reply_to"] = None if command.reply_to == "none" else command.reply_to
+            await replies.publish(
+                command.routing_key,
+                command.body,
+                reply=command.reply_to == "ours",
+                **properties,
+            )
     unanswered = await replies.wait(set(answered_by), 90 - (time.monotonic() - started))
     elapsed = time.monotonic() - started
     assert unanswered == set(), (len(unanswered), stack.tails())
@@ -669,6 +697,19 @@ async def test_fuzz_thousands_of_hostile_commands_never_stall_the_intake(
         code = "ok" if reply.get("ok") else reply["error"]["code"]
         codes[code] = codes.get(code, 0) + 1
     assert "internal" not in codes, codes
+    # Every hostile reply_to was refused unanswered and counted; none wrote into the victim.
+    hostile_reply_to = sum(1 for c in commands if c.reply_to in HOSTILE_REPLY_TO)
+    assert hostile_reply_to > 0
+    counted = 0.0
+    for _ in range(100):  # the last refusals may still be on their way to the dead letters
+        status, metrics = await asyncio.to_thread(stack.running("dispatcher")[0].get, "/metrics")
+        line = re.search(r"^cronbus_reply_to_refused_total (\S+)$", metrics, re.MULTILINE)
+        counted = float(line.group(1)) if status == 200 and line else 0.0
+        if counted >= hostile_reply_to:
+            break
+        await asyncio.sleep(0.1)
+    assert counted == hostile_reply_to
+    assert await victim.get(fail=False) is None
     # The AMQP template and the hostile exchange names reached the exchange policy.
     exchange_refusals = sum(
         1
@@ -682,7 +723,7 @@ async def test_fuzz_thousands_of_hostile_commands_never_stall_the_intake(
         f"{not_ours} without a reply queue (dead-lettered), stalls 0, refused but stored "
         f"{len(refused_but_stored)}, accepted {len(accepted) - 1}; next command answered in "
         f"{answer_s * 1000:.0f} ms; reply codes {codes}; target.exchange refused "
-        f"{exchange_refusals}"
+        f"{exchange_refusals}; hostile reply_to refused {hostile_reply_to}"
     )
 
 

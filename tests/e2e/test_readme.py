@@ -41,6 +41,19 @@ async def test_the_python_example_works_as_written(
     assert lines[1].startswith("triggered, key ") and lines[2:] == ["invoice-42 active", "deleted"]
 
 
+async def test_the_aio_pika_example_works_as_written(
+    stack: Stack, stack_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A robust connection names its exclusive queue itself (``amq_<hex>``): it is answered."""
+    await stack.start_all(("dispatcher",))
+    script = tmp_path / "robust.py"
+    script.write_text(block("python", "connect_robust("))
+    env = {**os.environ, **stack_env}
+    done = await asyncio.to_thread(run, [sys.executable, str(script)], env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["True 1"]
+
+
 async def test_the_cli_example_works_as_written(
     stack: Stack, stack_env: dict[str, str], tmp_path: Path
 ) -> None:

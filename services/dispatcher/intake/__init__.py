@@ -38,6 +38,7 @@ from services.dispatcher.intake.receiving import (
     schedule_ids_of,
 )
 from services.dispatcher.intake.replays import Replays
+from services.dispatcher.intake.reply_queues import ReplyQueues
 from services.dispatcher.intake.runs import Runs
 from shared.contract import commands, models
 from shared.contract.errors import ValidationFailed
@@ -64,6 +65,7 @@ class Intake:
         wake: Wake,
         stopping: asyncio.Event,
         clock: Callable[[], float] = time.time,
+        reply_queues: ReplyQueues | None = None,
     ) -> None:
         self.settings = settings
         self.stopping = stopping
@@ -71,7 +73,8 @@ class Intake:
         self.clock = clock
         self.checks = Checks(settings, self.now_ms)
         self.order = ArrivalOrder()
-        self.answers = Answers(store, channel)
+        self.reply_queues = reply_queues or ReplyQueues(settings.amqp_url)
+        self.answers = Answers(store, channel, self.reply_queues)
         self.replays = Replays(store, index, wake)
         self.writes = IndexWrites(index, wake, stopping)
         self.commits = Committer(settings, store, self.writes, stopping, self.now_ms)
@@ -113,6 +116,14 @@ class Intake:
     async def _apply(self, received: Received) -> dict[str, Any] | None:
         """The reply to send (None: none may be sent)."""
         try:
+            meta = received.meta
+            await transient.retry(
+                lambda: self.reply_queues.check(
+                    meta.reply_to, undecodable="reply_to" in meta.undecodable
+                ),
+                what="reply queue check",
+                stopping=self.stopping,
+            )
             self.checks.validate(received)
             assert received.namespace is not None and received.verb is not None
             assert received.command is not None

@@ -14,11 +14,21 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiormq
+import aiormq.exceptions
 from aio_pika.abc import AbstractChannel
 
-from services.dispatcher.intake.receiving import Meta, Received, Unparseable, audit_of
+from services.dispatcher.intake.receiving import (
+    Meta,
+    Received,
+    ReplyToRefused,
+    Unparseable,
+    audit_of,
+)
+from services.dispatcher.intake.reply_queues import ReplyQueues
 from shared.contract import codec, keys, models
 from shared.contract.errors import ValidationFailed
+from shared.policy import replies
+from shared.policy.replies import Route
 from shared.postgres.store import Store
 from shared.rabbitmq import amqp
 from shared.runtime import metrics
@@ -42,15 +52,16 @@ def error_of(failure: ValidationFailed) -> dict[str, Any]:
 
 
 def reply_to_refused(failure: ValidationFailed) -> bool:
-    return any(d.get("field") == "reply_to" for d in failure.details)
+    return isinstance(failure, ReplyToRefused)
 
 
 class Answers:
     """Replies on ``reply_to``, refusals and dead letters on the command channel."""
 
-    def __init__(self, store: Store, channel: AbstractChannel) -> None:
+    def __init__(self, store: Store, channel: AbstractChannel, reply_queues: ReplyQueues) -> None:
         self.store = store
         self.channel = channel
+        self.reply_queues = reply_queues
 
     async def refuse(self, failure: ValidationFailed, received: Received) -> dict[str, Any]:
         meta = received.meta
@@ -104,7 +115,8 @@ class Answers:
             lambda: self.store.record_command(audit_of(received, "internal", error)),
             lambda: self.dead_letter(received, "internal: the error is in the dispatcher's log"),
         ]
-        if received.meta.reply_to and keys.reply_queue_allowed(received.meta.reply_to):
+        # Answered only where it was checked before the failure (a fresh verdict is cached).
+        if received.meta.reply_to and self._checked(received.meta.reply_to):
             steps.append(lambda: self.answer(received.meta, {"ok": False, "error": error}))
         for step in steps:
             try:
@@ -112,17 +124,40 @@ class Answers:
             except Exception:
                 log.exception("could not report a failed command", extra={"action": "internal"})
 
+    def _checked(self, reply_to: str) -> bool:
+        route = replies.shape_of(reply_to).route
+        if route is Route.CHECK:
+            verdict = self.reply_queues.cache.get(reply_to, self.reply_queues.clock())
+            return verdict is not None and verdict.answer
+        return route is not Route.REFUSED
+
     async def answer(self, meta: Meta, reply: dict[str, Any]) -> None:
         if not meta.reply_to:
             return
         # Straight to the protocol channel: aio-pika's Message and Exchange layers cost more
-        # per reply than the publish itself.
-        channel = await self.channel.get_underlay_channel()
-        await channel.basic_publish(
-            codec.dumps(reply),
-            exchange="",
-            routing_key=meta.reply_to,
-            properties=aiormq.spec.Basic.Properties(
-                content_type="application/json", correlation_id=meta.correlation_id
-            ),
-        )
+        # per reply than the publish itself. Direct reply-to on the replies connection: the
+        # broker closes the connection that publishes to a token it cannot place.
+        direct = replies.shape_of(meta.reply_to).route is Route.DIRECT
+        if direct:
+            channel = await self.reply_queues.direct_reply_channel()
+        else:
+            channel = await self.channel.get_underlay_channel()
+        try:
+            await channel.basic_publish(
+                codec.dumps(reply),
+                exchange="",
+                routing_key=meta.reply_to,
+                properties=aiormq.spec.Basic.Properties(
+                    content_type="application/json", correlation_id=meta.correlation_id
+                ),
+            )
+        except aiormq.exceptions.ConnectionInternalError:
+            if not direct:
+                raise
+            # A token of the broker's shape naming a node it does not know: trying again would
+            # close the replies connection again. The command was applied; its reply is lost.
+            metrics.REPLY_TO_REFUSED.inc()
+            log.warning(
+                "the broker could not place a direct reply-to token",
+                extra={"action": "reply_to_unplaceable", "reply_to": meta.reply_to[:255]},
+            )

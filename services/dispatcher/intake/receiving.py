@@ -14,10 +14,10 @@ from typing import Any
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.dispatcher import batch
-from shared.contract import commands, keys, models, validation
+from shared.contract import commands, models, validation
 from shared.contract.errors import ValidationFailed
 from shared.contract.rows import CommandAudit
-from shared.rabbitmq import amqp
+from shared.rabbitmq import amqp, decoding
 from shared.rules.plan import Plan
 from shared.runtime.config import DispatcherSettings
 
@@ -33,16 +33,36 @@ class Meta:
     app_id: str | None = None
     message_id: str | None = None
 
+    #: The properties that were not UTF-8 (``shared.rabbitmq.decoding``): shown with U+FFFD
+    #: above, and refused.
+    undecodable: tuple[str, ...] = ()
+
     @classmethod
     def of(cls, message: AbstractIncomingMessage) -> Meta:
+        properties = {
+            "routing_key": message.routing_key or "",
+            "reply_to": message.reply_to,
+            "correlation_id": message.correlation_id,
+            "user_id": message.user_id,
+            "app_id": message.app_id,
+            "message_id": message.message_id,
+        }
+        bad = [name for name, value in properties.items() if decoding.undecodable(value)]
+        if decoding.UNDECODABLE_HEADER in (message.headers or {}):
+            bad.append("headers")
         return cls(
-            routing_key=message.routing_key or "",
-            reply_to=message.reply_to,
-            correlation_id=message.correlation_id,
-            user_id=message.user_id,
-            app_id=message.app_id,
-            message_id=message.message_id,
+            routing_key=decoding.readable(properties["routing_key"] or ""),
+            reply_to=_readable(properties["reply_to"]),
+            correlation_id=_readable(properties["correlation_id"]),
+            user_id=_readable(properties["user_id"]),
+            app_id=_readable(properties["app_id"]),
+            message_id=_readable(properties["message_id"]),
+            undecodable=tuple(bad),
         )
+
+
+def _readable(value: str | None) -> str | None:
+    return None if value is None else decoding.readable(value)
 
 
 @dataclass(slots=True)
@@ -63,6 +83,12 @@ class Received:
     items: list[batch.UpsertItem | ValidationFailed] = field(default_factory=list)
     #: The ``id`` each of those schedules gives (None: none that is a string).
     item_ids: list[str | None] = field(default_factory=list)
+
+
+class ReplyToRefused(ValidationFailed):
+    """``reply_to`` names a queue cronbus will not answer on (``shared.policy.replies``): the
+    command is dead-lettered unanswered. Known by its class, never by a field's name: a body
+    may well hold a field named ``reply_to``."""
 
 
 class Unparseable(ValidationFailed):
@@ -103,12 +129,11 @@ class Checks:
                 f"the command was delivered {received.deliveries} times without an answer; "
                 "it is kept in the dead-letter queue",
             )
-        if meta.reply_to and not keys.reply_queue_allowed(meta.reply_to):
+        if meta.undecodable:
             raise ValidationFailed(
                 "invalid_command",
-                f"reply_to {meta.reply_to[:255]!r} is not allowed: replies go only to "
-                "amq.rabbitmq.reply-to or a server-named amq.gen-* queue",
-                [{"field": "reply_to", "reason": "must be amq.rabbitmq.reply-to or amq.gen-*"}],
+                f"AMQP properties are not UTF-8: {', '.join(meta.undecodable)}",
+                [{"field": name, "reason": "is not UTF-8"} for name in meta.undecodable],
             )
         if len(received.body) > self.settings.max_command_bytes:
             raise ValidationFailed(
