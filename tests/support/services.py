@@ -161,17 +161,29 @@ def unique(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:10]}"
 
 
+#: How long one ``rabbitmqctl`` call may take. A broker busy deleting a vhost can leave the
+#: CLI waiting for many minutes; a bounded call fails its one test (adding) or leaves the vhost
+#: behind (deleting) instead of holding up every test that waits for the pool's thread.
+CTL_TIMEOUT_S = 90
+
+
 def add_vhost(ctl: list[str], vhost: str, user: str = "guest") -> None:
-    subprocess.run([*ctl, "add_vhost", vhost], check=True, capture_output=True)
+    subprocess.run(
+        [*ctl, "add_vhost", vhost], check=True, capture_output=True, timeout=CTL_TIMEOUT_S
+    )
     subprocess.run(
         [*ctl, "set_permissions", "-p", vhost, user, ".*", ".*", ".*"],
         check=True,
         capture_output=True,
+        timeout=CTL_TIMEOUT_S,
     )
 
 
 def delete_vhost(ctl: list[str], vhost: str) -> None:
-    subprocess.run([*ctl, "delete_vhost", vhost], check=False, capture_output=True)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        subprocess.run(
+            [*ctl, "delete_vhost", vhost], check=False, capture_output=True, timeout=CTL_TIMEOUT_S
+        )
 
 
 class VhostPool:
@@ -207,7 +219,7 @@ class VhostPool:
                 continue
             try:
                 add_vhost(self._ctl, vhost)
-            except (OSError, subprocess.CalledProcessError) as exc:
+            except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
                 self._ready.put(exc)
             else:
                 self._ready.put(vhost)
