@@ -11,6 +11,7 @@ schedule must fire and no ``fire_all`` occurrence may be lost; duplicates are co
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -195,6 +196,19 @@ class Promotion:
     promoted_s: float
     #: Replication bytes the primary wrote that the promoted replica never received.
     behind_bytes: int
+
+
+def replication_offset(port: int) -> int:
+    """How far a server's replication stream goes (a primary's, or what a replica applied)."""
+    info = subprocess.run(
+        ["redis-cli", "-p", str(port), "INFO", "replication"],
+        capture_output=True,
+        text=True,
+        timeout=5,
+        check=False,
+    ).stdout
+    fields = dict(line.strip().split(":", 1) for line in info.splitlines() if ":" in line)
+    return int(fields.get("slave_repl_offset") or fields["master_repl_offset"])
 
 
 class LaggedFailover(Protocol):

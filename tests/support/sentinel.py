@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.failover import Promotion
+from tests.support.failover import Promotion, replication_offset
 from tests.support.services import free_port, port_open
 
 MASTER = "cronbus-test"
@@ -145,13 +145,6 @@ class SentinelGroup:
     def stop(self) -> None:
         for node in [*self.sentinels, *self.servers]:
             node.kill()
-
-
-def replication_offset(port: int) -> int:
-    """How far a server's replication stream goes (a primary's, or what a replica applied)."""
-    info = _redis_cli(port, "INFO", "replication")
-    fields = dict(line.strip().split(":", 1) for line in info.splitlines() if ":" in line)
-    return int(fields.get("slave_repl_offset") or fields["master_repl_offset"])
 
 
 def _fields(reply: str) -> dict[str, str]:
