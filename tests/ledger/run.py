@@ -232,6 +232,7 @@ class Ledger:
             self.rng,
             self.send_triggers,
             self.burst,
+            commands=self.calm,
         )
 
     async def run(self) -> oracle.Verdict:
@@ -243,7 +244,7 @@ class Ledger:
         while True:
             # The snapshot the old-snapshot fault restores: taken a whole pass earlier.
             await kit.take_snapshot()
-            for name in faults.FAULTS:
+            for name in faults.of_profile(self.profile.minutes):
                 await self.calm(self.profile.calm_s, self.profile.commands_per_calm)
                 self.applied.append(await faults.apply(name, kit))
             if time.monotonic() >= deadline:
