@@ -36,7 +36,7 @@ FAULTS = (
 LONG_FAULTS = (*FAULTS, "redis-failover")
 #: How far behind the promoted replica of the failover fault is: from 0.1 s to longer than
 #: the ledger's sweep interval (1 s), drawn each time.
-FAILOVER_LAG_S = (0.1, 2.5)
+FAILOVER_LAG_S = (0.1, 1.5)
 
 
 def of_profile(minutes: float) -> tuple[str, ...]:
@@ -171,7 +171,7 @@ async def _redis_failover(kit: Kit) -> None:
     replica = redis.directory / "ledger-replica.rdb"
     shutil.copyfile(redis.directory / "dump.rdb", replica)
     if kit.commands is not None:
-        await kit.commands(lag_s, 2)
+        await kit.commands(lag_s, 4)
     else:
         await asyncio.sleep(lag_s)
     await asyncio.to_thread(redis.stop)
