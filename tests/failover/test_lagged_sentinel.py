@@ -63,4 +63,4 @@ async def test_a_lagging_replica_promoted_undoes_no_answered_command(
     namespace = services.unique("ns").lower()
     figures = await run_lag_case(group, env, amqp_url, sink, tmp_path, lag_s, namespace)
     print(figures.line("sentinel"))
-    figures.assert_nothing_undone()
+    figures.assert_nothing_undone("sentinel")

@@ -77,7 +77,7 @@ class Cluster:
     ports: list[int]
     processes: list[subprocess.Popen[bytes]]
     #: The primary and the replica of a lagged failover (begin_lag, end_lag).
-    _lagging: tuple[int, int] = field(init=False)
+    _lagging: tuple[int, int, frozenset[int]] = field(init=False)
 
     @property
     def url(self) -> str:
@@ -92,22 +92,26 @@ class Cluster:
     def process(self, port: int) -> subprocess.Popen[bytes]:
         return self.processes[self.ports.index(port)]
 
-    def primary_to_fail(self, shards: int) -> tuple[int, int]:
-        """(primary, its replica): the primary, other than the node the URL names, that holds
-        the most of cronbus's shards (each shard's keys share the hash tag ``{shard}``)."""
+    def primary_to_fail(self, shards: int) -> tuple[int, int, frozenset[int]]:
+        """(primary, its replica, the shards it holds): the primary, other than the node the
+        URL names, that holds the most of cronbus's shards (each shard's keys share the hash
+        tag ``{shard}``)."""
         nodes = cluster_nodes(self.ports[0])
-        tags = [key_slot(str(shard).encode()) for shard in range(shards)]
         primaries = [n for n in nodes if n.master and n.port != self.ports[0]]
-        chosen = max(primaries, key=lambda n: sum(slot in n.slots for slot in tags))
+
+        def held(node: ClusterNode) -> frozenset[int]:
+            return frozenset(s for s in range(shards) if key_slot(str(s).encode()) in node.slots)
+
+        chosen = max(primaries, key=lambda n: len(held(n)))
         replica = next(n for n in nodes if n.master_id == chosen.node_id)
-        return chosen.port, replica.port
+        return chosen.port, replica.port, held(chosen)
 
     def begin_lag(self, shards: int = 16) -> None:
         """The replica stops (SIGSTOP) and its primary drops the link: from now on the
         replica receives nothing (stopped alone, it would apply on SIGCONT what the kernel
         kept receiving meanwhile)."""
         self._lagging = self.primary_to_fail(shards)
-        primary, replica = self._lagging
+        primary, replica, _ = self._lagging
         self.process(replica).send_signal(signal.SIGSTOP)
         _cli(primary, "CLIENT", "KILL", "TYPE", "replica")
 
@@ -115,7 +119,7 @@ class Cluster:
         """Kill the primary while the replica is still stopped, let the replica go on and
         wait until the cluster has promoted it and every slot is served again. The replica
         stands for election although it was cut off (cluster-replica-validity-factor 0)."""
-        primary, replica = self._lagging
+        primary, replica, held = self._lagging
         written = replication_offset(primary)
         self.process(primary).send_signal(signal.SIGKILL)
         self.process(primary).wait()
@@ -126,7 +130,7 @@ class Cluster:
         living = [p for p in self.ports if p != primary]
         while time.monotonic() - started < timeout_s:
             if _cli(replica, "ROLE").startswith("master") and all(_state_ok(p) for p in living):
-                return Promotion(killed_ms, time.monotonic() - started, behind)
+                return Promotion(killed_ms, time.monotonic() - started, behind, held)
             time.sleep(0.05)
         raise RuntimeError(f"the cluster did not promote {replica} within {timeout_s:g}s")
 
