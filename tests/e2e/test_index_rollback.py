@@ -143,7 +143,7 @@ async def test_an_index_rolled_back_never_undoes_an_answered_command(
         taken_at = time.monotonic()
         deleted, paused, moved = ids[:GROUP], ids[GROUP : 2 * GROUP], ids[2 * GROUP : 3 * GROUP]
         created = [f"c{i}" for i in range(GROUP)]
-        commands = (
+        commands: list[tuple[str, dict[str, Any]]] = (
             [("delete", {"id": i}) for i in deleted]
             + [("pause", {"id": i}) for i in paused]
             + [("upsert", {"schedule": every_second(sink, i, f"/new/{i}")}) for i in moved]
@@ -151,7 +151,7 @@ async def test_an_index_rolled_back_never_undoes_an_answered_command(
         )
         replies = dict(
             zip(
-                [c[1].get("id") or c[1]["schedule"]["id"] for c in commands],
+                deleted + paused + moved + created,
                 await send_all(client, commands),
                 strict=True,
             )
