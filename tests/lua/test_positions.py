@@ -4,6 +4,7 @@ whose position is behind a command already answered gives nothing to claim."""
 from __future__ import annotations
 
 import random
+import time
 
 from shared.redis.index import Index
 from tests.lua.test_scripts import LEASE_MS, NOW, add
@@ -75,3 +76,12 @@ async def test_without_answered_positions_claims_are_not_fenced(index: Index) ->
     await add(index, 0, "ns/a", NOW - 1)
     [result] = await index.claim([0], 10, LEASE_MS, now_ms=NOW)
     assert not result.fenced and [c.member for c in result.claimed] == ["ns/a"]
+
+
+async def test_waiting_for_replicas_follows_the_position_on_its_connection(index: Index) -> None:
+    """With no replica to acknowledge, WAIT returns at its timeout: the position is recorded
+    all the same (the reply is only delayed, never refused)."""
+    started = time.monotonic()
+    assert await index.advance({0: 1}, "note", wait_replicas=1, wait_timeout_ms=80) == {0: 1}
+    assert time.monotonic() - started >= 0.07
+    assert (await index.positions())[0] == 1
