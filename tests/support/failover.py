@@ -32,6 +32,11 @@ GROUP = 20
 JITTER_S = 0.5
 
 
+def jitter(n: int) -> float:
+    """Every other schedule of a group has jitter."""
+    return JITTER_S if n % 2 else 0.0
+
+
 def firing_body(schedule_id: str, url: str, jitter_s: float = 0.0) -> dict[str, Any]:
     """A schedule firing every second under fire_all, retried for a while."""
     return {
@@ -259,7 +264,7 @@ class LagScenario:
 
     async def register(self, client: CommandClient) -> None:
         bodies = [
-            (i, self.old_path(i) if group == "m" else f"/{i}", JITTER_S if n % 2 else 0.0)
+            (i, self.old_path(i) if group == "m" else f"/{i}", jitter(n))
             for group in "kdpm"
             for n, i in enumerate(self.ids(group))
         ]
@@ -278,12 +283,16 @@ class LagScenario:
         sends = [
             *(self._send(client, "delete", i, {"id": i}) for i in self.ids("d")),
             *(self._send(client, "pause", i, {"id": i}) for i in self.ids("p")),
+            # Only the URL changes (the same jitter): the rotation goes on, and fire_all owes
+            # every occurrence of it, those due while the failover held firing back included.
             *(
-                self._send(client, "upsert", i, firing_body(i, f"{url}{self.new_path(i)}", 0.0))
-                for i in self.ids("m")
+                self._send(
+                    client, "upsert", i, firing_body(i, f"{url}{self.new_path(i)}", jitter(n))
+                )
+                for n, i in enumerate(self.ids("m"))
             ),
             *(
-                self._send(client, "upsert", i, firing_body(i, f"{url}/{i}", JITTER_S * (n % 2)))
+                self._send(client, "upsert", i, firing_body(i, f"{url}/{i}", jitter(n)))
                 for n, i in enumerate(self.ids("c"))
             ),
         ]
