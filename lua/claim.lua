@@ -21,11 +21,17 @@
   KEYS[4] sched  HASH  ns/id  -> compact schedule
   KEYS[5] seq    STRING fencing token counter
   KEYS[6] bf     HASH  ns/id  -> "generation|to_ms|remaining|start|paused" (backfill.lua)
+  KEYS[7] pos    STRING the shard's position: the last change of PostgreSQL it holds (advance.lua)
   ARGV[1] limit     (count) most occurrences to claim
   ARGV[2] lease_ms  (ms) how long the claim holds before the sweeper may reclaim it
   ARGV[3] now_ms    (ms, optional) overrides the server clock; tests only
+  ARGV[4] answered  (position, optional) the highest position a reply said ok for. An index
+                    whose position is below it lacks a command already answered (a failover
+                    to a lagging replica, an older snapshot): nothing is claimed from it until
+                    the sweeper has replayed what it lacks (invariant 9)
 
-  Returns {now_ms, next_due_ms (-1: none left), orphans, corrupt, waiting, claimed...} where
+  Returns {now_ms, next_due_ms (-1: none left), orphans, corrupt, waiting, fenced, claimed...}
+  where fenced is 1 when the shard's position is behind `answered` (nothing else then), and
   claimed is 7 values per occurrence: member, fire_ms, nominal_ms, attempt, token, tail,
   schedule (tail: "fires" or "fires|flags"; for a backfill member `ns/id#b` the "fires" part is
   the backfill's generation). An orphan is a due member whose schedule is gone (deleted
@@ -45,6 +51,11 @@ local lease_ms = tonumber(ARGV[2])
 
 --!include lib/clock.lua
 local now = clock_ms(ARGV[3])
+
+local answered = tonumber(ARGV[4] or '')
+if answered and KEYS[7] and tonumber(redis.call('GET', KEYS[7]) or '0') < answered then
+  return {now, -1, 0, 0, 0, 1}
+end
 
 --[[ Fair share between namespaces. When more is due than one claim takes, the due entries
   are scanned for runs of one namespace at one fire time (a herd is one run: entries at the same
@@ -303,7 +314,7 @@ for _, item in ipairs(waiting) do
   redis.call('HSET', occ, member, nominal .. '|' .. attempt .. '||' .. tail)
   redis.call('ZADD', due, now + PUSH_BACK_MS, member)
 end
-local out = {now, -1, #orphans, #corrupt, #waiting}
+local out = {now, -1, #orphans, #corrupt, #waiting, 0}
 if #valid > 0 then
   local floor = now * 1000
   local last = redis.call('INCRBY', seq, #valid)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange
 
+from services.dispatcher.fence import Fence
 from shared.contract import delivery, keys
 from shared.contract.entries import Claimed, ClaimResult
 from shared.policy import fairness
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 BACKLOG_CHECK_S = 0.25
 #: How long claiming waits before looking again at an index found older than seen (s).
 STALE_INDEX_PAUSE_S = 0.5
+#: How soon a shard fenced (its position behind an answered command) is looked at again (s).
+FENCED_PAUSE_S = 0.05
 
 
 class Dispatcher:
@@ -44,8 +47,11 @@ class Dispatcher:
         channel: AbstractChannel,
         stopping: asyncio.Event,
         spans: Spans | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.settings = settings
+        #: The answered positions claims are fenced with (None: unfenced; tests only).
+        self.fence = fence
         #: None unless spans are exported (CRONBUS_OTLP_ENDPOINT).
         self.spans = spans
         self.index = index
@@ -101,9 +107,15 @@ class Dispatcher:
         if await self._index_went_back():
             await self._pause(STALE_INDEX_PAUSE_S)
             return
+        if self.fence is not None and not self.fence.known.is_set():
+            await self._pause(FENCED_PAUSE_S)  # the answered positions are not read yet
+            return
         claim_start_ns = time.time_ns() if self.spans is not None else 0
         results = await self.index.claim(
-            self.shards, self.settings.claim_batch, round(self.settings.lease_s * 1000)
+            self.shards,
+            self.settings.claim_batch,
+            round(self.settings.lease_s * 1000),
+            answered=self.fence.answered if self.fence is not None else None,
         )
         if self.spans is not None:
             self._claim_span_ns = (claim_start_ns, time.time_ns())
@@ -116,6 +128,8 @@ class Dispatcher:
                 metrics.ORPHANS.inc(result.orphans)
             if result.waiting:
                 metrics.SIBLING_WAITS.inc(result.waiting)
+            if result.fenced:
+                metrics.FENCED_CLAIMS.inc()
         if claimed:
             metrics.CLAIMED.inc(len(claimed))
             self.publishing = len(claimed)
@@ -238,6 +252,9 @@ class Dispatcher:
         if any(len(r.claimed) >= self.settings.claim_batch for r in results):
             return  # more is due right now
         upcoming = [r.next_due_ms for r in results if r.next_due_ms is not None]
+        if any(r.fenced for r in results):
+            # A fenced shard is looked at again soon: the sweeper's replay ends the fence.
+            upcoming.append(now_ms + round(FENCED_PAUSE_S * 1000))
         delay_ms = (min(upcoming) - now_ms) if upcoming else self.settings.max_sleep_s * 1000
         delay_s = min(max(delay_ms, 0) / 1000, self.settings.max_sleep_s)
         if delay_s <= 0:

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from services.dispatcher.dispatcher import Dispatcher
+from services.dispatcher.fence import Fence
 from services.dispatcher.intake import Intake
 from services.dispatcher.intake.reply_queues import ReplyQueues
 from services.dispatcher.leases import ShardLeases
@@ -67,8 +68,9 @@ class DispatcherService(ServiceBase):
         settings, connections = self.settings, self.connections
         publish_channel = await connections.amqp.channel(publisher_confirms=True)
         await amqp.declare_topology(publish_channel)
+        fence = Fence()
         dispatcher = self._dispatcher = Dispatcher(
-            settings, connections.index, publish_channel, stopping, spans=self.spans
+            settings, connections.index, publish_channel, stopping, spans=self.spans, fence=fence
         )
         wake_channel = connections.index.keys.wake_channel
 
@@ -89,6 +91,11 @@ class DispatcherService(ServiceBase):
             wake,
             stopping,
             reply_queues=reply_queues,
+            fence=fence,
+        )
+        tasks.start(
+            "answered-positions",
+            fence.follow(connections.store.pool, settings.position_check_s, stopping),
         )
         if settings.shard_lease_s > 0:
             dispatcher.shards = []  # until the first leases are taken

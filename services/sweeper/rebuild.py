@@ -76,7 +76,7 @@ async def _cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
             task.exception()  # retrieved, so asyncio does not report it as lost
 
 
-def _same_servers(before: frozenset[str] | None, after: frozenset[str] | None) -> bool:
+def same_servers(before: frozenset[str] | None, after: frozenset[str] | None) -> bool:
     """Whether no Redis server restarted between the two reads (unknown: taken as none)."""
     return before is None or after is None or before == after
 
@@ -145,6 +145,13 @@ class Rebuilding:
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
 
+    async def start_positions(self) -> None:
+        """The positions a rebuild starts from (``services.sweeper.positions``)."""
+
+    async def foreign_index(self) -> bool:
+        """Whether the index belongs to another database (``services.sweeper.positions``)."""
+        return False
+
     # --- rebuild ------------------------------------------------------------------------------
 
     async def redis_now_ms(self) -> int:
@@ -164,6 +171,8 @@ class Rebuilding:
         # PostgreSQL first: Redis is moved forward before PostgreSQL, so a Redis generation
         # read after this one is behind it only if Redis lost data since. Read the other way
         # round, another sweeper advancing both in between would look like a restore.
+        if await self.foreign_index():
+            return
         expected = await self.store.index_generation()
         epoch = await self.index.client.get(self.index.keys.epoch)
         metrics.INDEX_EPOCH_PRESENT.set(1 if epoch else 0)
@@ -249,6 +258,7 @@ class Rebuilding:
         try:
             servers = await self._redis_servers()
             await self._witness_rebuild(token)
+            await self.start_positions()
             written = await self._stream_into_index()
             await pending.restore_all(self.index, self.store, self.settings.rebuild_batch)
             await backfills.restore_all(self.index, self.store, self.settings.rebuild_batch)
@@ -259,7 +269,7 @@ class Rebuilding:
             # a Redis that restarted from a snapshot (RDB or AOF) taken during the rebuild
             # has it back, without the pages written after the snapshot, and the client's
             # retries (and NOSCRIPT reloads) hide such a restart from the writes.
-            if not await self._rebuild_witnessed(token) or not _same_servers(
+            if not await self._rebuild_witnessed(token) or not same_servers(
                 servers, await self._redis_servers()
             ):
                 await self.index.client.delete(self.index.keys.epoch)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from redis.asyncio.lock import Lock
 
 from services.sweeper import backfills, drift, pending, targets
-from services.sweeper.repair import Repairs
+from services.sweeper.positions import PositionReplay
 from shared.postgres import db
 from shared.postgres.store import Store
 from shared.redis.index import Index
@@ -28,7 +28,7 @@ from shared.runtime.config import SweeperSettings
 log = logging.getLogger(__name__)
 
 
-class Sweeper(Repairs):
+class Sweeper(PositionReplay):
     def __init__(
         self,
         settings: SweeperSettings,
@@ -65,9 +65,20 @@ class Sweeper(Repairs):
         checking = asyncio.create_task(
             targets.report_refused(self.store, self.settings.exchange_policy(), self.stopping)
         )
+        replaying = asyncio.create_task(
+            transient.every(
+                self.settings.position_check_s,
+                self.check_positions,
+                what="position check",
+                stopping=self.stopping,
+            ),
+            name="position-check",
+        )
         await transient.every(
             self.settings.sweep_interval_s, self.step, what="sweep step", stopping=self.stopping
         )
+        with contextlib.suppress(asyncio.CancelledError, *transient.ERRORS):
+            await replaying
         if not checking.done():
             checking.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

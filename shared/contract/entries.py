@@ -67,6 +67,8 @@ class ClaimResult:
     #: Due entries put back a moment because another occurrence of their schedule (regular
     #: or backfill) is in flight.
     waiting: int = 0
+    #: Nothing was claimed: the shard's position is behind a command already answered.
+    fenced: bool = False
 
 
 @dataclass(frozen=True, slots=True)

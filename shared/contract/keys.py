@@ -128,6 +128,15 @@ class RedisKeys:
         """STRING counter that mints fencing tokens."""
         return f"{self.prefix}:{{{shard}}}:seq"
 
+    def position(self, shard: int) -> str:
+        """STRING the shard's position: the last change of PostgreSQL (``index_positions``)
+        whose writes the shard holds, every earlier one included (``lua/advance.lua``)."""
+        return f"{self.prefix}:{{{shard}}}:pos"
+
+    def ahead(self, shard: int) -> str:
+        """ZSET positions of the shard applied past a gap (written out of order)."""
+        return f"{self.prefix}:{{{shard}}}:ahead"
+
     def shard_owner(self, shard: int) -> str:
         """STRING dispatcher id holding the shard's claim lease (expires by itself)."""
         return f"{self.prefix}:{{{shard}}}:owner"
@@ -141,6 +150,12 @@ class RedisKeys:
     def epoch(self) -> str:
         """STRING set when the index is complete; missing means Redis lost data."""
         return f"{self.prefix}:meta:epoch"
+
+    @property
+    def database(self) -> str:
+        """STRING ``<system identifier>/<database name>`` of the PostgreSQL database the index
+        belongs to: an index of another database is never fired."""
+        return f"{self.prefix}:meta:database"
 
     @property
     def rebuild_lock(self) -> str:

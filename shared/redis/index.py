@@ -8,7 +8,8 @@ one pipeline.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from redis.asyncio.cluster import RedisCluster
@@ -25,6 +26,8 @@ from shared.contract.entries import (
 )
 from shared.redis import lua
 from shared.redis.connection import RedisClient
+
+log = logging.getLogger(__name__)
 
 
 def _opt(value: int | None) -> str | int:
@@ -48,7 +51,7 @@ def _claimed(shard: int, row: list[Any]) -> Claimed:
 
 def _parse_claim(shard: int, reply: list[Any]) -> ClaimResult:
     next_due = int(reply[1])
-    claimed = [_claimed(shard, reply[i : i + 7]) for i in range(5, len(reply), 7)]
+    claimed = [_claimed(shard, reply[i : i + 7]) for i in range(6, len(reply), 7)]
     return ClaimResult(
         shard,
         int(reply[0]),
@@ -57,6 +60,7 @@ def _parse_claim(shard: int, reply: list[Any]) -> ClaimResult:
         claimed,
         int(reply[3]),
         int(reply[4]),
+        bool(int(reply[5])),
     )
 
 
@@ -83,6 +87,8 @@ class Index:
             "parked": self.keys.parked,
             "rates": self.keys.parked_rates,
             "pkm": self.keys.parked_marks,
+            "pos": self.keys.position,
+            "ahead": self.keys.ahead,
         }
         return [names[role](shard) for role in roles]
 
@@ -132,14 +138,22 @@ class Index:
     # --- dispatcher -------------------------------------------------------------------------
 
     async def claim(
-        self, shards: Iterable[int], limit: int, lease_ms: int, now_ms: int | None = None
+        self,
+        shards: Iterable[int],
+        limit: int,
+        lease_ms: int,
+        now_ms: int | None = None,
+        answered: Mapping[int, int] | None = None,
     ) -> list[ClaimResult]:
+        """Up to ``limit`` due occurrences of each shard; none from a shard whose position is
+        below its ``answered`` one (it lacks a command already answered: fenced)."""
         order = list(shards)
+        answered = answered or {}
         calls = [
             (
                 "claim",
-                self._keys(s, "due", "lease", "occ", "sched", "seq", "bf"),
-                [limit, lease_ms, _opt(now_ms)],
+                self._keys(s, "due", "lease", "occ", "sched", "seq", "bf", "pos"),
+                [limit, lease_ms, _opt(now_ms), _opt(answered.get(s))],
             )
             for s in order
         ]
@@ -342,7 +356,18 @@ class Index:
         for shard in range(self.shards):
             await self.client.unlink(
                 *self._keys(
-                    shard, "due", "lease", "occ", "sched", "gone", "bf", "parked", "rates", "pkm"
+                    shard,
+                    "due",
+                    "lease",
+                    "occ",
+                    "sched",
+                    "gone",
+                    "bf",
+                    "parked",
+                    "rates",
+                    "pkm",
+                    "pos",
+                    "ahead",
                 )
             )
             # The parked sets are one per rate key: found by name.
@@ -355,6 +380,71 @@ class Index:
                     found = []
             if found:
                 await self.client.unlink(*found)
+
+    # --- positions (invariant 9) ------------------------------------------------------------
+
+    async def advance(
+        self,
+        positions: Mapping[int, int],
+        mode: Literal["note", "floor", "start"],
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 0,
+    ) -> dict[int, int]:
+        """Per shard, record a position (advance.lua); returns each shard's position after.
+
+        With ``wait_replicas``, WAIT follows on the same connection: replication is one
+        stream, so the replicas that have this call have every write made before it."""
+        order = sorted(positions)
+        calls = [("advance", self._keys(s, "pos", "ahead"), [mode, positions[s]]) for s in order]
+        if not calls:
+            return {}
+        if wait_replicas <= 0 or isinstance(self.client, RedisCluster):
+            replies = await self._pipeline(calls)
+        else:
+            replies = await self._advance_and_wait(calls, wait_replicas, wait_timeout_ms)
+        return {s: int(r) for s, r in zip(order, replies, strict=True)}
+
+    async def _advance_and_wait(
+        self, calls: Sequence[tuple[str, list[str], list[Any]]], replicas: int, timeout_ms: int
+    ) -> list[Any]:
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for name, call_keys, args in calls:
+                lua.queue(pipe, name, call_keys, args)
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+            results = list(await pipe.execute(raise_on_error=False))
+            if attempt == 0 and any(lua.is_noscript(r) for r in results):
+                await lua.load_all(self.client)  # advance.lua only ever moves forward: again
+                continue
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
+            acknowledged = int(results[-1])
+            if acknowledged < replicas:
+                log.warning(
+                    "fewer replicas than asked acknowledged the index writes in time",
+                    extra={"action": "wait_replicas", "acknowledged": acknowledged},
+                )
+            return results[:-1]
+        raise AssertionError("unreachable")
+
+    async def bind(self, database: str) -> str | None:
+        """Record which database this index belongs to, unless one is recorded already;
+        returns the other database's identity when the index is not this one's."""
+        await self.client.set(self.keys.database, database, nx=True)
+        found = await self.client.get(self.keys.database)
+        if found is None:
+            return None  # lost meanwhile: the next start (or rebuild) binds it
+        text = found.decode() if isinstance(found, bytes) else str(found)
+        return None if text == database else text
+
+    async def positions(self) -> dict[int, int]:
+        """Every shard's position (0: none recorded)."""
+        pipe = self.client.pipeline(transaction=False)
+        for shard in range(self.shards):
+            pipe.get(self.keys.position(shard))
+        values = await pipe.execute()
+        return {shard: int(v or 0) for shard, v in enumerate(values)}
 
     async def knows(self, shard: int, member: str) -> bool:
         """Whether the member is due, in flight or has an occurrence state in the index."""

@@ -52,6 +52,10 @@ class CommonSettings(BaseSettings):
     lease_s: float = Field(default=30, gt=0, le=3600)
     #: How often the sweeper reclaims expired leases and checks the index.
     sweep_interval_s: float = Field(default=5, gt=0, le=3600)
+    #: How often each shard's position in Redis is compared with PostgreSQL's (the sweeper
+    #: replays what an index that went back lacks) and dispatchers re-read which positions
+    #: were answered (they claim nothing from a shard behind them). See Guarantees, invariant 9.
+    position_check_s: float = Field(default=0.5, gt=0, le=60)
     #: On SIGTERM, the most time a service takes to stop, whatever is unreachable (see
     #: Guarantees).
     shutdown_grace_s: float = Field(default=20, ge=0, le=600)
@@ -181,6 +185,12 @@ class DispatcherSettings(WebhookPolicySettings):
     commands_batch: int = Field(default=500, ge=1, le=10_000)
     #: Group commits under way at once (each holds a PostgreSQL connection).
     commands_commit_workers: int = Field(default=2, ge=1, le=32)
+    #: Replicas that must acknowledge a command's index writes before its reply (Redis WAIT;
+    #: 0: do not wait). Makes a failover that undoes them rare; the positions make it harmless
+    #: either way (see Guarantees, invariant 9). Not used with CRONBUS_REDIS_CLUSTER.
+    redis_wait_replicas: int = Field(default=0, ge=0, le=16)
+    #: How long a reply waits for those replicas at most (ms); it is sent after that anyway.
+    redis_wait_timeout_ms: int = Field(default=100, ge=1, le=60_000)
     #: Largest command body accepted; a larger one is refused with code too_large.
     max_command_bytes: int = Field(default=262_144, ge=1024, le=64 * 1024 * 1024)
     #: Largest JSON body a target may carry.

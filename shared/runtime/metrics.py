@@ -188,6 +188,20 @@ STALE_INDEX_WAITS = Counter(
     "cronbus_stale_index_waits_total",
     "Claim rounds skipped because the index generation went back (an older snapshot restored).",
 )
+FENCED_CLAIMS = Counter(
+    "cronbus_fenced_claims_total",
+    "Claims refused because the shard's position in Redis is behind a command already answered "
+    "(a failover to a lagging replica, an older snapshot): until the sweeper replays it.",
+)
+POSITION_REPLAYS = Counter(
+    "cronbus_position_replays_total",
+    "Shards whose index lacked changes PostgreSQL committed, brought up to date by replaying "
+    "exactly the rows changed after their position.",
+)
+POSITION_REPLAYED_ROWS = Counter(
+    "cronbus_position_replayed_rows_total",
+    "Schedules re-indexed by position replays.",
+)
 TOMBSTONES_TRIMMED = Counter(
     "cronbus_tombstones_trimmed_total",
     "Tombstones of deleted or finished schedules dropped once PostgreSQL agreed with them.",
@@ -228,6 +242,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
         REPLY_TO_REFUSED,
         COMMAND_BATCH,
         STALE_INDEX_WAITS,
+        FENCED_CLAIMS,
         DEPENDENCY_UP,
     ),
     "executor": (
@@ -263,6 +278,8 @@ OWNERS: dict[str, tuple[object, ...]] = {
         STALE_INDEX,
         TOMBSTONES_TRIMMED,
         DRIFT_REPAIRED,
+        POSITION_REPLAYS,
+        POSITION_REPLAYED_ROWS,
         PARTITIONS_DROPPED,
         DEPENDENCY_UP,
     ),

@@ -28,7 +28,7 @@ from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 
 from shared.contract import codec, errors, keys
-from shared.postgres import db
+from shared.postgres import db, positions
 from shared.postgres.store import Store
 from shared.rabbitmq import amqp
 from shared.redis import connection, index
@@ -430,12 +430,32 @@ class Connections:
             stopping=stopping,
             setting="CRONBUS_DATABASE_URL",
         )
+        await self._check_binding(stopping)
         if self.wants_amqp:
             self._amqp = await transient.retry(
                 lambda: amqp.connect(settings.amqp_url, f"cronbus-{self.name}"),
                 what="rabbitmq",
                 stopping=stopping,
                 setting="CRONBUS_AMQP_URL",
+            )
+
+    async def _check_binding(self, stopping: asyncio.Event) -> None:
+        """Refuse an index that belongs to another database (another deployment under the
+        same prefix): firing it would fire that deployment's schedules (invariant 9). An
+        index with no owner recorded is bound to this database."""
+        store = self.store
+        identity = await transient.retry(
+            lambda: positions.database_identity(store.pool), what="postgres", stopping=stopping
+        )
+        foreign = await transient.retry(
+            lambda: self.index.bind(identity), what="redis", stopping=stopping
+        )
+        if foreign is not None:
+            raise errors.DependencyRefused(
+                "CRONBUS_REDIS_URL, CRONBUS_REDIS_PREFIX",
+                f"the index under prefix {self.settings.redis_prefix!r} belongs to another "
+                f"database ({foreign}), not this one ({identity}); give this deployment its "
+                "own Redis or prefix",
             )
 
     async def close(self) -> None:

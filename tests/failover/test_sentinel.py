@@ -16,17 +16,18 @@ from pathlib import Path
 import pytest
 from redis import exceptions as redis_errors
 
-from cronbus.cli.sink import Received, Sink
-from shared.contract import keys, timefmt
+from cronbus.cli.sink import Sink
+from shared.contract import keys
 from shared.contract.entries import Upsert
 from shared.policy import netpolicy
 from shared.redis import connection
 from shared.redis.index import Index
-from shared.rules import compact, schedule
+from shared.rules import compact
 from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 from shared.runtime.config import CommonSettings
 from tests.support import sentinel, services
 from tests.support.commands import CommandClient
+from tests.support.failover import Workload
 from tests.support.stack import Stack
 
 pytestmark = [pytest.mark.failover, pytest.mark.timeout(150)]
@@ -92,62 +93,6 @@ async def test_the_index_follows_a_failover_and_reloads_its_scripts(
         )
     finally:
         await client.aclose()
-
-
-@dataclass
-class Workload:
-    """Schedules firing every second under fire_all, and what their deliveries show."""
-
-    namespace: str
-    first: dict[str, int] = field(default_factory=dict)
-
-    async def register(self, client: CommandClient, sink: Sink) -> None:
-        for i in range(SCHEDULES):
-            reply = await client.send(
-                self.namespace,
-                "upsert",
-                {
-                    "schedule": {
-                        "id": f"f{i}",
-                        "spec": {"kind": "interval", "every_s": 1},
-                        "target": {"kind": "webhook", "url": f"{sink.url}/f{i}"},
-                        "misfire": {"policy": "fire_all", "window_s": 3600, "limit": 10_000},
-                        "retry": {"max_attempts": 20, "initial_backoff_s": 0.2, "max_backoff_s": 1},
-                    }
-                },
-            )
-            assert reply["ok"], reply
-            self.first[f"f{i}"] = timefmt.parse_rfc3339_ms(reply["schedule"]["next_fires"][0])
-
-    def expected(self, until_ms: int) -> set[tuple[str, int]]:
-        return {
-            (schedule_id, t)
-            for schedule_id, first in self.first.items()
-            for t in range(first, until_ms + 1, 1000)
-        }
-
-    def mine(self, sink: Sink) -> list[tuple[str, int, Received]]:
-        found = []
-        for request in sink.received:
-            namespace, _, schedule_id = request.schedule.partition("/")
-            if namespace == self.namespace:
-                nominal = timefmt.parse_rfc3339_ms(request.fire_time)
-                assert request.key == schedule.idempotency_key(namespace, schedule_id, nominal)
-                found.append((schedule_id, nominal, request))
-        return found
-
-    def delivered(self, sink: Sink) -> set[tuple[str, int]]:
-        return {(schedule_id, nominal) for schedule_id, nominal, _ in self.mine(sink)}
-
-    def check(self, sink: Sink, until_ms: int) -> tuple[int, int]:
-        """(lost, duplicates) among the nominal times up to ``until_ms``."""
-        seen: dict[tuple[str, int], int] = {}
-        for schedule_id, nominal, _ in self.mine(sink):
-            seen[(schedule_id, nominal)] = seen.get((schedule_id, nominal), 0) + 1
-        expected = self.expected(until_ms)
-        lost = len(expected - set(seen))
-        duplicates = sum(count - 1 for key, count in seen.items() if key in expected)
-        return lost, duplicates
 
 
 @dataclass
@@ -218,7 +163,7 @@ async def test_the_services_follow_a_failover_and_lose_nothing(
         await stack.start_all(("dispatcher", "executor", "sweeper"))
         workload = Workload(services.unique("ns").lower())
         async with CommandClient(amqp_url) as client:
-            await workload.register(client, sink)
+            await workload.register(client, sink, SCHEDULES)
             commands = Commands(client, workload.namespace)
             flowing = asyncio.create_task(commands.run(stop))
             assert await sink.wait_for(lambda s: len(workload.delivered(s)) >= SCHEDULES * 2, 15), (
@@ -231,10 +176,10 @@ async def test_the_services_follow_a_failover_and_lose_nothing(
 
             # An occurrence due after the kill can only have been claimed from the new primary.
             def served_after_kill(s: Sink) -> bool:
-                return any(n > kill_ms for _, n, _ in workload.mine(s))
+                return any(d.nominal_ms > kill_ms for d in workload.deliveries(s))
 
             assert await sink.wait_for(served_after_kill, 30), stack.tails()
-            first_ms = min(r.at_ms for _, n, r in workload.mine(sink) if n > kill_ms)
+            first_ms = min(d.at_ms for d in workload.deliveries(sink) if d.nominal_ms > kill_ms)
             await asyncio.sleep(5)
             stop.set()
             await asyncio.wait_for(flowing, 40)

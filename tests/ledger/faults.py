@@ -38,6 +38,16 @@ FAULTS = (
 #: How long the other host refuses connections, and the ``ra`` targets answer 429 (s).
 HOST_DOWN_S = 6.0
 THROTTLE_S = 6.0
+#: The long profile's pass adds these.
+LONG_FAULTS = (*FAULTS, "redis-failover")
+#: How far behind the promoted replica of the failover fault is: from 0.1 s to longer than
+#: the ledger's sweep interval (1 s), drawn each time.
+FAILOVER_LAG_S = (0.1, 1.5)
+
+
+def of_profile(minutes: float) -> tuple[str, ...]:
+    """The faults of one pass: the short profile (0 minutes) or the long one."""
+    return FAULTS if minutes <= 0 else LONG_FAULTS
 
 
 def now_ms() -> int:
@@ -58,6 +68,8 @@ class Kit:
     burst: Callable[[], Awaitable[None]]
     sinks: Sinks
     snapshot: Path | None = None
+    #: Sends ``count`` commands at random moments within ``seconds`` (the run's calm).
+    commands: Callable[[float, int], Awaitable[None]] | None = None
 
     async def redis(self) -> aioredis.Redis:
         return aioredis.Redis.from_url(self.servers.redis.url)
@@ -148,6 +160,33 @@ async def _redis_old_snapshot(kit: Kit) -> None:
     await kit.all_ready()
 
 
+async def _redis_failover(kit: Kit) -> None:
+    """A failover to a replica that lags: the primary dies and the promoted server holds the
+    index as it was ``lag`` seconds earlier, on a new server (a new run id), while commands
+    answered during those seconds are in PostgreSQL. Emulated on the ledger's one server:
+    its data saved, commands and firing for ``lag`` seconds, the server killed and started
+    again from what was saved. The data cronbus then finds is what a promoted lagging replica
+    gives it; Sentinel and Cluster themselves are exercised in tests/failover and
+    tests/cluster, and the ledger keeps its one private Redis (its other faults restart it)."""
+    lag_s = kit.rng.uniform(*FAILOVER_LAG_S)
+    redis = kit.servers.redis
+    client = await kit.redis()
+    try:
+        await client.save()
+    finally:
+        await client.aclose()
+    replica = redis.directory / "ledger-replica.rdb"
+    shutil.copyfile(redis.directory / "dump.rdb", replica)
+    if kit.commands is not None:
+        await kit.commands(lag_s, 4)
+    else:
+        await asyncio.sleep(lag_s)
+    await asyncio.to_thread(redis.stop)
+    shutil.copyfile(replica, redis.directory / "dump.rdb")
+    await asyncio.to_thread(redis.start)
+    await kit.all_ready()
+
+
 async def _postgres_restart(kit: Kit) -> None:
     await asyncio.to_thread(kit.servers.postgres.stop)
     await asyncio.sleep(2)
@@ -198,6 +237,7 @@ ACTIONS: dict[str, Callable[[Kit], Awaitable[None]]] = {
     "overload": _overload,
     "retry-after-429": _retry_after_429,
     "host-down": _host_down,
+    "redis-failover": _redis_failover,
 }
 
 

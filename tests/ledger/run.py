@@ -250,6 +250,7 @@ class Ledger:
             self.send_triggers,
             self.burst,
             self.sinks,
+            commands=self.calm,
         )
 
     async def run(self) -> oracle.Verdict:
@@ -261,7 +262,7 @@ class Ledger:
         while True:
             # The snapshot the old-snapshot fault restores: taken a whole pass earlier.
             await kit.take_snapshot()
-            for name in faults.FAULTS:
+            for name in faults.of_profile(self.profile.minutes):
                 await self.calm(self.profile.calm_s, self.profile.commands_per_calm)
                 self.applied.append(await faults.apply(name, kit))
             if time.monotonic() >= deadline:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.failover import Promotion, replication_offset
 from tests.support.services import free_port, port_open
 
 MASTER = "cronbus-test"
@@ -54,6 +55,7 @@ class SentinelGroup:
     directory: Path
     servers: list[Node] = field(default_factory=list)
     sentinels: list[Node] = field(default_factory=list)
+    _lagging: tuple[Node, Node] = field(init=False)
 
     @property
     def setting(self) -> str:
@@ -118,6 +120,27 @@ class SentinelGroup:
                 return
             time.sleep(0.2)
         raise RuntimeError("the Sentinels did not come to know each other and the replica")
+
+    def begin_lag(self) -> None:
+        """The replica stops (SIGSTOP) and the primary drops its link: from now on the
+        replica receives nothing. Stopping it alone would not do: the kernel keeps receiving
+        the replication stream meanwhile and the replica would apply it all on SIGCONT."""
+        self._lagging = (self.primary(), self.replica())
+        self._lagging[1].process.send_signal(signal.SIGSTOP)
+        _redis_cli(self._lagging[0].port, "CLIENT", "KILL", "TYPE", "replica")
+
+    def end_lag(self, timeout_s: float = 30) -> Promotion:
+        """Kill the primary while the replica is still stopped, let the replica go on and
+        wait until the Sentinels have promoted it. The replica is promoted although the
+        Sentinels found it down meanwhile: it answers again before they choose (within
+        down-after-milliseconds of the kill)."""
+        primary, replica = self._lagging
+        written = replication_offset(primary.port)
+        primary.kill()
+        killed_ms = time.time() * 1000
+        replica.process.send_signal(signal.SIGCONT)
+        behind = written - replication_offset(replica.port)
+        return Promotion(killed_ms, self.wait_primary_is(replica.port, timeout_s), behind)
 
     def stop(self) -> None:
         for node in [*self.sentinels, *self.servers]:

@@ -24,6 +24,7 @@ from typing import Any
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from services.dispatcher import batch
+from services.dispatcher.fence import Fence
 from services.dispatcher.intake.answers import Answers, reply_to_refused
 from services.dispatcher.intake.group_commit import CHANGE_VERBS, Committer
 from services.dispatcher.intake.index_writes import IndexWrites, Wake
@@ -66,6 +67,7 @@ class Intake:
         stopping: asyncio.Event,
         clock: Callable[[], float] = time.time,
         reply_queues: ReplyQueues | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.settings = settings
         self.stopping = stopping
@@ -77,7 +79,7 @@ class Intake:
         self.answers = Answers(store, channel, self.reply_queues)
         self.replays = Replays(store, index, wake)
         self.writes = IndexWrites(index, wake, stopping)
-        self.commits = Committer(settings, store, self.writes, stopping, self.now_ms)
+        self.commits = Committer(settings, store, self.writes, stopping, self.now_ms, fence)
         self.reads = Reads(settings, store, index, stopping, self.now_ms)
         self.runs = Runs(store, self.writes, self.replays, self.now_ms)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from services.dispatcher import batch
+from services.dispatcher.fence import Fence
 from services.dispatcher.intake.answers import error_of
 from services.dispatcher.intake.index_writes import IndexWrites
 from services.dispatcher.intake.receiving import Received
@@ -25,6 +26,7 @@ from shared.contract import commands, keys
 from shared.contract.entries import Upsert
 from shared.contract.errors import ValidationFailed
 from shared.contract.rows import CommandAudit, PendingRun, ScheduleRow
+from shared.postgres import positions
 from shared.postgres.store import Store
 from shared.redis.batcher import GroupCommit
 from shared.runtime import metrics, quotas, transient
@@ -51,8 +53,11 @@ class Committer:
         writes: IndexWrites,
         stopping: asyncio.Event,
         now_ms: Callable[[], int],
+        fence: Fence | None = None,
     ) -> None:
         self.settings = settings
+        #: This dispatcher's claim fence, told of each position answered (None: no claim loop).
+        self.fence = fence
         self.store = store
         self.writes = writes
         self.index = writes.index
@@ -199,6 +204,9 @@ class Committer:
             await self.store.reset_stats_many(conn, created)
             audits = effect.audits + (more_audits(effect) if more_audits else [])
             await self.store.put_schedules_and_audit(conn, list(effect.rows.values()), audits)
+            taken = await positions.take(
+                conn, [(ns, i, self.index.shard_of(ns, i)) for ns, i in effect.rows]
+            )
             dropped: list[PendingRun] = []
             for (namespace, schedule_id), row in effect.rows.items():
                 if row.state == "deleted":
@@ -207,8 +215,38 @@ class Committer:
                     # Its index entry is removed, backfill included (remove.lua): a row kept
                     # here would never be restored nor removed by a completion.
                     await self.store.drop_backfill(conn, namespace, schedule_id)
-        await self._index_batch(effect, dropped)
+        if await self._index_batch(effect, dropped):
+            await self._answer_positions(taken)
         return effect
+
+    async def _answer_positions(self, taken: dict[int, int]) -> None:
+        """The batch's writes are in Redis: its positions are recorded there (after the
+        writes: a replica that has them has the writes), then in PostgreSQL as answered, and
+        only then are the commands answered. Should any of this fail, the shard lags its
+        committed position and the sweeper replays it; the replies are still right."""
+        if not taken:
+            return
+        settings = self.settings
+        noted = await self.writes.write(
+            lambda: self.index.advance(
+                taken,
+                "note",
+                wait_replicas=settings.redis_wait_replicas,
+                wait_timeout_ms=settings.redis_wait_timeout_ms,
+            )
+        )
+        if not noted:
+            return
+        try:
+            await transient.retry(
+                lambda: positions.mark_answered(self.store.pool, taken),
+                what="answered positions",
+                stopping=self.stopping,
+            )
+        except transient.Stopped:
+            return
+        if self.fence is not None:
+            self.fence.raise_to(taken)
 
     async def _over_quota(
         self,
@@ -253,8 +291,9 @@ class Committer:
 
     async def _index_batch(
         self, effect: batch.BatchEffect, dropped: Sequence[PendingRun] = ()
-    ) -> None:
-        """The batch's index writes, one call per shard, and one wake-up for the soonest."""
+    ) -> bool:
+        """The batch's index writes, one call per shard, and one wake-up for the soonest;
+        whether they were all made."""
         upserts: dict[int, list[Upsert]] = {}
         removals: dict[int, list[tuple[str, int | None]]] = {}
         # A deleted schedule's pending triggers go too, even one already handed to the
@@ -275,14 +314,16 @@ class Committer:
             upserts.setdefault(shard, []).append(write)
             if write.next_fire_ms is not None:
                 earliest[shard] = min(earliest.get(shard, write.next_fire_ms), write.next_fire_ms)
+        made = True
         if upserts:
-            await self.writes.write(lambda: self.index.upsert(upserts))
+            made = await self.writes.write(lambda: self.index.upsert(upserts))
         if removals:
-            await self.writes.write(lambda: self.index.remove(removals))
+            made = await self.writes.write(lambda: self.index.remove(removals)) and made
         soonest = min(earliest.items(), key=lambda item: item[1], default=None)
         if soonest is not None and soonest[1] < self.now_ms() + self.settings.max_sleep_s * 1000:
             # Later fires are found by the dispatchers' own next look: no wake-up needed.
             await self.writes.wake(*soonest)
+        return made
 
 
 def _item_result(

@@ -46,14 +46,18 @@ class IndexWrites:
         if upsert.next_fire_ms is not None:
             await self.wake(shard, upsert.next_fire_ms)
 
-    async def write(self, write: Callable[[], Awaitable[object]]) -> None:
+    async def write(self, write: Callable[[], Awaitable[object]]) -> bool:
         """PostgreSQL has committed: only the index write is repeated while Redis is away.
-        If the service stops first, the sweeper's drift repair finishes the job."""
+        If the service stops first, the sweeper's drift repair finishes the job. Returns
+        whether the write was made."""
         try:
             await transient.retry(write, what="index write", stopping=self.stopping)
         except transient.Stopped:
             log.warning("index write left to drift repair", extra={"action": "index_deferred"})
+            return False
         except Exception:  # committed: raising would make callers apply it again
             log.exception(
                 "index write refused; left to drift repair", extra={"action": "index_deferred"}
             )
+            return False
+        return True

@@ -533,3 +533,50 @@ JOIN schedules s ON s.namespace = b.namespace AND s.id = b.id
 WHERE s.state IN ('active', 'paused') AND b.created_at < to_timestamp($1::bigint / 1000.0)
 ORDER BY b.created_at
 LIMIT $2;
+
+-- take_positions --
+-- The next position of each shard a group commit changes ($1: the shards, sorted, so that two
+-- transactions lock them in one order), and every changed row stamped with its shard's
+-- ($2, $3, $4: namespace, id, shard). The rows stay locked until the commit: a shard's
+-- positions commit in order. Returns (shard, position).
+WITH taken AS (
+    INSERT INTO index_positions AS p (shard, committed)
+    SELECT s, 1 FROM unnest($1::int[]) AS s ORDER BY s
+    ON CONFLICT (shard) DO UPDATE SET committed = p.committed + 1
+    RETURNING p.shard, p.committed
+), stamped AS (
+    UPDATE schedules AS s SET shard = r.shard, position = t.committed
+    FROM unnest($2::text[], $3::text[], $4::int[]) AS r(namespace, id, shard)
+    JOIN taken AS t ON t.shard = r.shard
+    WHERE s.namespace = r.namespace AND s.id = r.id
+)
+SELECT shard, committed FROM taken;
+
+-- mark_answered --
+-- Positions whose command is about to be answered ok ($1 shards, $2 positions). The rows are
+-- locked in shard order first, as take_positions locks them (no deadlock between the two).
+WITH locked AS (
+    SELECT shard FROM index_positions WHERE shard = ANY($1::int[]) ORDER BY shard FOR UPDATE
+)
+UPDATE index_positions AS p SET answered = GREATEST(p.answered, r.position)
+FROM unnest($1::int[], $2::bigint[]) AS r(shard, position), locked
+WHERE p.shard = r.shard AND locked.shard = r.shard;
+
+-- index_positions --
+-- Every shard's committed and answered positions.
+SELECT shard, committed, answered FROM index_positions;
+
+-- changed_after_positions --
+-- The rows of these shards changed after each shard's position ($1 shards, $2 positions),
+-- oldest change first: what an index at those positions lacks.
+SELECT s.namespace, s.id, s.version, s.state, s.compact, s.fires,
+       (extract(epoch FROM s.last_fire_at) * 1000)::bigint AS last_fire_ms,
+       (extract(epoch FROM s.next_fire_at) * 1000)::bigint AS next_fire_ms
+FROM unnest($1::int[], $2::bigint[]) AS r(shard, position)
+JOIN schedules AS s ON s.shard = r.shard AND s.position > r.position
+ORDER BY s.position;
+
+-- database_identity --
+-- Which database this is: the cluster's system identifier and the database's name (the index
+-- records it, so that an index of another database is never fired).
+SELECT (SELECT system_identifier::text FROM pg_control_system()) || '/' || current_database();

@@ -1,0 +1,93 @@
+"""Position replay (invariant 9): each shard of the index brought up to what PostgreSQL has
+committed, by replaying exactly the rows changed after the shard's position.
+
+An index goes behind PostgreSQL when Redis fails over to a replica that lagged, or comes back
+from an older snapshot, and (for a moment) when an intake stopped between its commit and its
+index writes. Dispatchers claim nothing from a shard behind a command already answered; this
+replay is what lets them claim again, usually within one check.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from services.sweeper.rebuild import same_servers
+from services.sweeper.repair import Repairs
+from shared.postgres import positions
+from shared.runtime import metrics
+
+# The sweeper's log lines keep one logger name, whichever module writes them.
+log = logging.getLogger("services.sweeper.sweeper")
+
+
+class PositionReplay(Repairs):
+    """The sweeper's position checks (a part of ``Sweeper``)."""
+
+    async def check_positions(self) -> int:
+        """Replay the rows each lagging shard lacks, then move its position on; returns the
+        rows replayed. An index being rebuilt is left to the rebuild (it sets the positions
+        it starts from)."""
+        if not await self.index.client.exists(self.index.keys.epoch):
+            return 0
+        # PostgreSQL first: the rows read next include every change up to these positions.
+        committed = {
+            shard: p.committed
+            for shard, p in (await positions.read(self.store.pool)).items()
+            if shard < self.settings.shards
+        }
+        held = await self.index.positions()
+        behind = {s: held[s] for s, c in committed.items() if held.get(s, 0) < c}
+        if not behind:
+            return 0
+        started = time.monotonic()
+        servers = await self._redis_servers()
+        rows = await positions.changed_after(self.store.pool, behind)
+        batch = self.settings.rebuild_batch
+        for start in range(0, len(rows), batch):
+            await self.reconcile(rows[start : start + batch])
+        if not same_servers(servers, await self._redis_servers()):
+            # Another server answers now (a failover meanwhile): it may lack the replay.
+            return 0
+        await self.index.advance({s: committed[s] for s in behind}, "floor")
+        metrics.POSITION_REPLAYS.inc(len(behind))
+        metrics.POSITION_REPLAYED_ROWS.inc(len(rows))
+        log.warning(
+            "index behind PostgreSQL: changes replayed",
+            extra={
+                "action": "positions_replayed",
+                "shards": len(behind),
+                "rows": len(rows),
+                "lag": sum(committed[s] - p for s, p in behind.items()),
+                "duration_s": round(time.monotonic() - started, 3),
+            },
+        )
+        return len(rows)
+
+    async def foreign_index(self) -> bool:
+        """Whether the index belongs to another database (binding it to this one when it
+        records none, as after Redis lost its data): such an index is never rebuilt into,
+        replayed or fired."""
+        identity = await positions.database_identity(self.store.pool)
+        foreign = await self.index.bind(identity)
+        if foreign is None:
+            return False
+        log.error(
+            "the index belongs to another database: not touching it "
+            "(check CRONBUS_REDIS_URL and CRONBUS_REDIS_PREFIX)",
+            extra={"action": "foreign_index", "database": identity, "index_of": foreign},
+        )
+        return True
+
+    async def start_positions(self) -> None:
+        """A rebuild starts: a shard with no position yet (an empty index) takes the one
+        PostgreSQL has committed now, read before any row is streamed: every row the rebuild
+        writes is that change or a later one. A shard that kept its position (what Redis
+        held survived) keeps it, and the position check replays what it lacks."""
+        committed = {
+            shard: p.committed
+            for shard, p in (await positions.read(self.store.pool)).items()
+            if shard < self.settings.shards
+        }
+        if committed:
+            await self.index.advance(committed, "start")
