@@ -453,6 +453,22 @@ def test_an_occurrence_its_down_host_refused_is_unreached_not_lost() -> None:
     horizon = T0 + 20_000
     missing = on_time(t, horizon, frozenset({T0 + 4000}))
     assert oracle.judge([t], missing, [], horizon).total("lost") == 1
-    told = frozenset({(t.member, T0 + 4000)})
-    verdict = oracle.judge([t], missing, [], horizon, unreached=told)
+    down = oracle.Fault("host-down", T0 + 3000, T0 + 6000, scope="http://127.0.0.1:1/")
+    told = {(t.member, T0 + 4000): T0 + 5000}
+    verdict = oracle.judge([t], missing, [down], horizon, unreached=told)
     assert verdict.total("lost") == 0 and verdict.total("unreached") == 1
+
+
+def test_dead_without_an_answer_is_lost_unless_its_host_was_down_then() -> None:
+    """Unreached is no loophole: an occurrence ended dead with no HTTP answer (a delivery that
+    raised, a timeout on a healthy host) is lost unless a host-down fault of its own host
+    was under way when it ended dead."""
+    t = timeline(plan(EVERY_2S))
+    horizon = T0 + 20_000
+    missing = on_time(t, horizon, frozenset({T0 + 4000}))
+    told = {(t.member, T0 + 4000): T0 + 5000}
+    assert oracle.judge([t], missing, [], horizon, unreached=told).total("lost") == 1
+    elsewhere = oracle.Fault("host-down", T0 + 3000, T0 + 6000, scope="http://127.0.0.1:2/")
+    assert oracle.judge([t], missing, [elsewhere], horizon, unreached=told).total("lost") == 1
+    later = oracle.Fault("host-down", T0 + 12_000, T0 + 14_000, scope="http://127.0.0.1:1/")
+    assert oracle.judge([t], missing, [later], horizon, unreached=told).total("lost") == 1
