@@ -592,11 +592,16 @@ def _check_catch_ups(
         settled = (ctx.disturbed_until(last, timeline.url) or last) + SETTLE_MS
         if settled > ctx.horizon_ms or _changed_between(timeline, rotation_index, first, settled):
             continue
-        owes = owed.owed(plan.misfire, dues, settled)
+        # Only missed times are owed, and only a missed time delivered pays: the stretch's
+        # times delivered on time (before the fault took hold, or once the system was back)
+        # are no catch-up, and must not hide one the policy dropped.
+        missed = [n for n in run if _missed(timeline, regular, plan, n, ctx)]
+        missed_dues = [schedule.fire_at_ms(plan, timeline.member, n) for n in missed]
+        owes = owed.owed(plan.misfire, missed_dues, settled)
         if owes.count == 0:
             continue
-        delivered = sum(
-            1 for n in run if n in regular or ctx.unreached_then(timeline.member, n, timeline.url)
+        delivered = sum(1 for n in missed if n in regular) + sum(
+            1 for n in missed if ctx.unreached_then(timeline.member, n, timeline.url)
         )
         short = owed.delivered_enough(owes, delivered)
         row = verdict.row(label, ctx.fault_of(last, timeline.url))
@@ -609,6 +614,19 @@ def _check_catch_ups(
                 f"lost catch-up {timeline.member}: {delivered} of {len(run)} missed from "
                 f"{run[0]} to {run[-1]} delivered, {owes.reason}"
             )
+
+
+def _missed(
+    timeline: Timeline, regular: dict[int, Occurrence], plan: Plan, nominal: int, ctx: Context
+) -> bool:
+    """Not delivered on time: never at a sink (or unreached), or first there after its due
+    time plus the grace (a catch-up is chosen once its time was missed, so it arrives
+    later than that; the slack counts a borderline arrival as late, where it pays)."""
+    occurrence = regular.get(nominal)
+    if occurrence is None:
+        return True
+    due = schedule.fire_at_ms(plan, timeline.member, nominal)
+    return occurrence.first_arrival > due + plan.misfire.grace_ms - CHOICE_SLACK_MS
 
 
 def _check_choices(
