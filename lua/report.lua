@@ -11,7 +11,8 @@
   ARGV[2] breaker_failures  (count)
   ARGV[3] cooldown_ms       (ms) how long an open breaker holds its rate key
   ARGV[4] idle_ms           (ms) a breaker key with no failure for this long is forgotten
-  ARGV pairs from ARGV[5], one per attempt: ok ('1' or '0'), retry_after_ms ('' : none)
+  ARGV pairs from ARGV[5], one per attempt: ok ('1' up, '0' down, '2' nothing sent: a probe
+    gives its slot back, the breaker otherwise unchanged), retry_after_ms ('' : none)
 
   Returns one code per attempt: 0 no change, 1 the breaker closed, 2 the breaker opened.
 ]]
@@ -38,6 +39,10 @@ for i = 1, #KEYS / 2 do
       if fails >= threshold then
         code = 1
       end
+    end
+  elseif ok == '2' then
+    if redis.call('EXISTS', breaker_key) == 1 then
+      redis.call('HSET', breaker_key, 'probe_until', 0)
     end
   else
     local fails = redis.call('HINCRBY', breaker_key, 'fails', 1)

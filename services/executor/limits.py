@@ -40,6 +40,8 @@ PROBE_MARGIN_MS = 5000
 #: A breaker with no failure for its cooldown plus this long is forgotten.
 BREAKER_IDLE_MS = 3_600_000
 GO, WAIT, HELD = 0, 1, 2
+#: What report.lua is told of an attempt: the host down, up, or nothing sent.
+DOWN, UP, NO_NEWS = 0, 1, 2
 #: The namespace's own bucket for max_fires_per_s (a space: no user rate key has one).
 QUOTA_KEY = " max_fires_per_s"
 #: An unlimited rate key found clear (no hold, no failures) is not asked again for this long:
@@ -96,7 +98,7 @@ class Limits:
     ) -> list[tuple[int, int, int]]:
         return await self.index.gate(items, self.breaker_failures, MAX_RESERVE_MS)
 
-    async def _flush_report(self, items: Sequence[tuple[str, bool, int | None]]) -> list[int]:
+    async def _flush_report(self, items: Sequence[tuple[str, int, int | None]]) -> list[int]:
         return await self.index.report(
             items, self.breaker_failures, self.cooldown_ms, BREAKER_IDLE_MS
         )
@@ -162,7 +164,10 @@ class Limits:
         health = limits.attempt_health(outcome)
         if health is limits.Health.UNKNOWN:
             # Refused before anything was sent: it says nothing of the target's health, and
-            # must not open a breaker other schedules of the rate key share.
+            # must not open a breaker other schedules of the rate key share. A probe gives
+            # its slot back, or what waits behind the breaker would wait out its timeout.
+            if admission.probe:
+                await self._give_back_probe(admission.rate_key)
             return
         retry_after = outcome.retry_after_ms
         if retry_after is not None:
@@ -173,7 +178,7 @@ class Limits:
         if up and retry_after is None and not admission.dirty and not admission.probe:
             return  # nothing to close, nothing to hold: no round trip
         self._clear_until.pop(admission.rate_key, None)
-        item = (admission.rate_key, up, retry_after)
+        item = (admission.rate_key, UP if up else DOWN, retry_after)
         code = await transient.retry(
             lambda: self._report.submit(item), what="rate report", stopping=self.stopping
         )
@@ -187,6 +192,14 @@ class Limits:
             )
             if code == 1 and self.on_close is not None:
                 await self.on_close(admission.rate_key)
+
+    async def _give_back_probe(self, rate_key: str) -> None:
+        item = (rate_key, NO_NEWS, None)
+        await transient.retry(
+            lambda: self._report.submit(item), what="rate report", stopping=self.stopping
+        )
+        if self.on_close is not None:
+            await self.on_close(rate_key)  # look at the key now: the next probe may go
 
     def capped(self, outcome: Outcome) -> Outcome:
         """The outcome with its Retry-After capped at CRONBUS_MAX_RETRY_AFTER_S."""

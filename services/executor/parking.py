@@ -85,7 +85,8 @@ class Parking:
         return code
 
     async def nudge(self, rate_key: str) -> None:
-        """The key's breaker closed: release what waits behind it now, not at its wake."""
+        """The key's breaker closed (or its probe gave its slot back): release what waits
+        behind it now, not at its wake."""
         with contextlib.suppress(*transient.ERRORS):
             await parked.nudge(self.index, rate_key)
         self._look_now.set()

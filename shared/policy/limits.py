@@ -31,7 +31,8 @@ TOO_MANY_REQUESTS = 429
 class Health(Enum):
     """What one attempt says about the host behind its rate key."""
 
-    #: The host answered: a success, or a 4xx about that one request (404, 400, 410, ...).
+    #: The host answered: a success, a 4xx about that one request (404, 400, 410, ...), or
+    #: an AMQP broker returning one message as unroutable.
     UP = "up"
     #: The host is unhealthy: no answer (refused, reset, timed out), a 5xx, or a 429.
     DOWN = "down"
@@ -61,9 +62,13 @@ def attempt_health(outcome: Attempt) -> Health:
         return Health.UNKNOWN
     if outcome.ok:
         return Health.UP
-    if not outcome.reached or outcome.http_status is None:
+    if not outcome.reached:
         return Health.DOWN
     status = outcome.http_status
+    if status is None:
+        # Reached with no HTTP status: the AMQP broker returned the message as unroutable,
+        # which is about that message's routing, not the broker's health.
+        return Health.UP
     if status >= 500 or status == TOO_MANY_REQUESTS:
         return Health.DOWN
     return Health.UP

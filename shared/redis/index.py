@@ -239,13 +239,14 @@ class Index:
 
     async def report(
         self,
-        items: Sequence[tuple[str, bool, int | None]],
+        items: Sequence[tuple[str, int, int | None]],
         breaker_failures: int,
         cooldown_ms: int,
         idle_ms: int,
         now_ms: int | None = None,
     ) -> list[int]:
-        """(rate key, ok, retry_after ms) -> 0 no change, 1 breaker closed, 2 breaker opened."""
+        """(rate key, ok, retry_after ms) -> 0 no change, 1 breaker closed, 2 breaker opened.
+        ok: 1 (or True) the host is up, 0 down, 2 nothing was sent (a probe's slot is freed)."""
         call_keys: list[str] = []
         args: list[Any] = [_opt(now_ms), breaker_failures, cooldown_ms, idle_ms]
         for rate_key, ok, retry_after in items:

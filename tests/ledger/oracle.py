@@ -37,7 +37,7 @@ import bisect
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shared.contract import keys
@@ -336,9 +336,21 @@ class Context:
     #: Faults and backlogs of one host (URL prefix -> windows): they disturb its schedules.
     scoped_faults: dict[str, Windows] = field(default_factory=dict)
     scoped_backlog: dict[str, Windows] = field(default_factory=dict)
-    #: (schedule, nominal) of occurrences the executors ended dead after attempts that no
-    #: host answered (a host down refused them): attempted, so not lost, but never at a sink.
-    unreached: frozenset[tuple[str, int]] = frozenset()
+    #: (schedule, nominal) -> when the executors ended it dead after attempts no host
+    #: answered. Attempted, so not lost, but never at a sink: only while a fault of its own
+    #: host (a host down) was under way (``unreached_then``); otherwise it is a loss.
+    unreached: Mapping[tuple[str, int], int] = field(default_factory=dict)
+
+    def unreached_then(self, member: str, nominal: int, url: str) -> bool:
+        """Ended dead with no answer while a fault scoped to its host was under way."""
+        dead_ms = self.unreached.get((member, nominal))
+        if dead_ms is None:
+            return False
+        return any(
+            self.scoped_faults[scope].find(dead_ms) is not None
+            for scope in self._scopes(url)
+            if scope in self.scoped_faults
+        )
 
     def _scopes(self, url: str) -> list[str]:
         return [
@@ -439,7 +451,7 @@ def judge(
     *,
     fault_before_ms: int = 2000,
     fault_after_ms: int = 6000,
-    unreached: frozenset[tuple[str, int]] = frozenset(),
+    unreached: Mapping[tuple[str, int], int] | None = None,
 ) -> Verdict:
     """The ledger: every schedule's occurrences judged against what the sink received."""
     occurrences = group(requests)
@@ -451,7 +463,7 @@ def judge(
         backlog_windows((d, a) for d, a, url in late if not _in_any(url, scopes)),
         {s: fault_windows(faults, fault_before_ms, fault_after_ms, s) for s in scopes},
         {s: backlog_windows((d, a) for d, a, url in late if url.startswith(s)) for s in scopes},
-        unreached,
+        unreached or {},
     )
     verdict = Verdict()
     by_schedule: dict[str, list[tuple[tuple[str, bool, int], Occurrence]]] = defaultdict(list)
@@ -580,10 +592,17 @@ def _check_catch_ups(
         settled = (ctx.disturbed_until(last, timeline.url) or last) + SETTLE_MS
         if settled > ctx.horizon_ms or _changed_between(timeline, rotation_index, first, settled):
             continue
-        owes = owed.owed(plan.misfire, dues, settled)
+        # Only missed times are owed, and only a missed time delivered pays: the stretch's
+        # times delivered on time (before the fault took hold, or once the system was back)
+        # are no catch-up, and must not hide one the policy dropped.
+        missed = [n for n in run if _missed(timeline, regular, plan, n, ctx)]
+        missed_dues = [schedule.fire_at_ms(plan, timeline.member, n) for n in missed]
+        owes = owed.owed(plan.misfire, missed_dues, settled)
         if owes.count == 0:
             continue
-        delivered = sum(1 for n in run if n in regular or (timeline.member, n) in ctx.unreached)
+        delivered = sum(1 for n in missed if n in regular) + sum(
+            1 for n in missed if ctx.unreached_then(timeline.member, n, timeline.url)
+        )
         short = owed.delivered_enough(owes, delivered)
         row = verdict.row(label, ctx.fault_of(last, timeline.url))
         # The stretch's own times count as expected one by one only when they are required;
@@ -595,6 +614,19 @@ def _check_catch_ups(
                 f"lost catch-up {timeline.member}: {delivered} of {len(run)} missed from "
                 f"{run[0]} to {run[-1]} delivered, {owes.reason}"
             )
+
+
+def _missed(
+    timeline: Timeline, regular: dict[int, Occurrence], plan: Plan, nominal: int, ctx: Context
+) -> bool:
+    """Not delivered on time: never at a sink (or unreached), or first there after its due
+    time plus the grace (a catch-up is chosen once its time was missed, so it arrives
+    later than that; the slack counts a borderline arrival as late, where it pays)."""
+    occurrence = regular.get(nominal)
+    if occurrence is None:
+        return True
+    due = schedule.fire_at_ms(plan, timeline.member, nominal)
+    return occurrence.first_arrival > due + plan.misfire.grace_ms - CHOICE_SLACK_MS
 
 
 def _check_choices(
@@ -667,7 +699,7 @@ def _account(
 ) -> None:
     row = verdict.row(label, ctx.fault_of(due, timeline.url))
     name = f"{timeline.member}@{nominal} ({verdict_class}, due {due})"
-    if occurrence is None and (timeline.member, nominal) in ctx.unreached:
+    if occurrence is None and ctx.unreached_then(timeline.member, nominal, timeline.url):
         # Attempted while its host refused every attempt: not lost (nothing reached a sink).
         row.expected += verdict_class == REQUIRED
         row.unreached += 1

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -323,21 +324,24 @@ class Ledger:
         return self.judge(horizon)
 
 
-def unreached_occurrences(logs: Path) -> frozenset[tuple[str, int]]:
-    """(schedule, nominal) of each occurrence an executor logged dead with no HTTP answer (a
-    host down refused its attempts), from the executors' JSON logs."""
-    found: set[tuple[str, int]] = set()
+def unreached_occurrences(logs: Path) -> dict[tuple[str, int], int]:
+    """(schedule, nominal) -> when (epoch ms) an executor logged it dead with no HTTP answer
+    (a host down refused its attempts), from the executors' JSON logs. The oracle counts it
+    unreached only if its own host was down then."""
+    found: dict[tuple[str, int], int] = {}
     for path in sorted(logs.glob("executor-*.log")):
         for line in path.read_text(errors="replace").splitlines():
             if '"occurrence_dead"' not in line:
                 continue
             try:
                 record = json.loads(line)
-            except ValueError:
+                at = datetime.fromisoformat(record["ts"].replace("Z", "+00:00"))
+            except (ValueError, KeyError, AttributeError):
                 continue
             if record.get("http_status") is None and "schedule" in record:
-                found.add((record["schedule"], int(record["nominal_ms"])))
-    return frozenset(found)
+                key = (record["schedule"], int(record["nominal_ms"]))
+                found[key] = round(at.timestamp() * 1000)
+    return found
 
 
 # --- import and herds ----------------------------------------------------------------------

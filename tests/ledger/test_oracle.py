@@ -170,7 +170,9 @@ def test_overlapping_deliveries_of_two_occurrences() -> None:
 def test_a_fault_lets_skip_drop_but_not_fire_all() -> None:
     fault = oracle.Fault("redis-flushall", T0 + 6000, T0 + 8000)
     horizon = T0 + 30_000
-    for policy, lost in (("skip", 0), ("fire_once", 0), ("fire_all(limit)", 0), ("fire_all", 1)):
+    # fire_once and a limited fire_all owe the one time missed (skip may drop it): the times
+    # on time after it are no catch-up.
+    for policy, lost in (("skip", 0), ("fire_once", 1), ("fire_all(limit)", 1), ("fire_all", 1)):
         t = timeline(plan(EVERY_2S, policy))
         delivered = on_time(t, horizon, frozenset({T0 + 6000}))
         assert oracle.judge([t], delivered, [fault], horizon).total("lost") == lost, policy
@@ -394,9 +396,13 @@ def test_a_limited_fire_all_owes_its_limit_of_a_stretch_missed_during_a_fault() 
     outside = [r for r in on_time(t, horizon) if not window[0] <= r.fire_time_ms <= window[1]]
     assert oracle.judge([t], outside, [fault], horizon).total("lost") == 2
     inside = sorted(n for n in oracle.candidates(t.rotations[0].plan, window[0], window[1]))
-    one = [*outside, request(inside[-1], inside[-1] + 400)]
+    # The last time of the window (14 s) is on time: no catch-up. The latest missed times are
+    # replayed late, once the executor is back.
+    on_time_last = [*outside, request(inside[-1], inside[-1] + 400)]
+    assert oracle.judge([t], on_time_last, [fault], horizon).total("lost") == 2
+    one = [*on_time_last, request(inside[-2], T0 + 14_400)]
     assert oracle.judge([t], one, [fault], horizon).total("lost") == 1
-    two = [*one, request(inside[-2], inside[-2] + 400)]
+    two = [*one, request(inside[-3], T0 + 14_450)]
     assert oracle.judge([t], two, [fault], horizon).total("lost") == 0
 
 
@@ -453,6 +459,37 @@ def test_an_occurrence_its_down_host_refused_is_unreached_not_lost() -> None:
     horizon = T0 + 20_000
     missing = on_time(t, horizon, frozenset({T0 + 4000}))
     assert oracle.judge([t], missing, [], horizon).total("lost") == 1
-    told = frozenset({(t.member, T0 + 4000)})
-    verdict = oracle.judge([t], missing, [], horizon, unreached=told)
+    down = oracle.Fault("host-down", T0 + 3000, T0 + 6000, scope="http://127.0.0.1:1/")
+    told = {(t.member, T0 + 4000): T0 + 5000}
+    verdict = oracle.judge([t], missing, [down], horizon, unreached=told)
     assert verdict.total("lost") == 0 and verdict.total("unreached") == 1
+
+
+def test_dead_without_an_answer_is_lost_unless_its_host_was_down_then() -> None:
+    """Unreached is no loophole: an occurrence ended dead with no HTTP answer (a delivery that
+    raised, a timeout on a healthy host) is lost unless a host-down fault of its own host
+    was under way when it ended dead."""
+    t = timeline(plan(EVERY_2S))
+    horizon = T0 + 20_000
+    missing = on_time(t, horizon, frozenset({T0 + 4000}))
+    told = {(t.member, T0 + 4000): T0 + 5000}
+    assert oracle.judge([t], missing, [], horizon, unreached=told).total("lost") == 1
+    elsewhere = oracle.Fault("host-down", T0 + 3000, T0 + 6000, scope="http://127.0.0.1:2/")
+    assert oracle.judge([t], missing, [elsewhere], horizon, unreached=told).total("lost") == 1
+    later = oracle.Fault("host-down", T0 + 12_000, T0 + 14_000, scope="http://127.0.0.1:1/")
+    assert oracle.judge([t], missing, [later], horizon, unreached=told).total("lost") == 1
+
+
+def test_fire_once_times_on_time_after_the_fault_are_no_catch_up() -> None:
+    """A fire_once catch-up is a missed time delivered late. Times the fault's window spans
+    but that came due after the system was back, delivered on time, do not pay for the
+    missed times before them: fire_once that dropped its catch-up is a lost delivery."""
+    fault = oracle.Fault("kill9-executor", T0 + 6000, T0 + 9000)
+    horizon = T0 + 40_000
+    t = timeline(plan(EVERY_2S, "fire_once"))
+    # Missed during the fault: 6 and 8 s. Back at 9 s: 10, 12 and 14 s come due on time.
+    dropped = on_time(t, horizon, frozenset({T0 + 6000, T0 + 8000}))
+    verdict = oracle.judge([t], dropped, [fault], horizon)
+    assert verdict.total("lost") == 1, verdict.findings
+    caught_up = [*dropped, request(T0 + 8000, T0 + 9500)]
+    assert oracle.judge([t], caught_up, [fault], horizon).total("lost") == 0

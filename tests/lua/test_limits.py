@@ -3,11 +3,20 @@ circuit breakers, holds that keep the attempt."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import cast
+
+from services.executor.limits import Admission, Limits
+from services.executor.settle import Outcome
+from shared.contract.delivery import Occurrence
 from shared.contract.entries import occ_state
 from shared.policy.holds import safety_ms_of
 from shared.redis import holds
 from shared.redis.holds import ToPark, ToRelease
 from shared.redis.index import Index
+from shared.runtime.config import ExecutorSettings
 from tests.lua.test_scripts import LEASE_MS, NOW, add
 
 KEY = "acme|http://127.0.0.1:80"
@@ -94,3 +103,41 @@ async def test_park_keeps_the_attempt_drops_the_token_and_flags_a_catch_up(
     )
     again = (await index.claim([0], 10, LEASE_MS, now_ms=NOW + 5000))[0].claimed[0]
     assert (again.nominal_ms, again.attempt, again.catch_up) == (NOW, 2, True)
+
+
+async def test_a_probe_that_sent_nothing_gives_its_slot_back(index: Index) -> None:
+    """A probe refused before anything was sent (a missing secret, the operator's policy)
+    says nothing of the host: the breaker stays as it was, and the next delivery is the
+    probe at once, not after the probe's timeout."""
+    await index.report([(KEY, False, None)] * FAILS, FAILS, 30_000, 60_000, now_ms=NOW)
+    after = NOW + 30_001
+    ((code, _, flags),) = await gate(index, after, (KEY, 0.0, 1, 10_000))
+    assert code == 0 and flags & 1
+    no_news = [(KEY, 2, None)]
+    assert await index.report(no_news, FAILS, 30_000, 60_000, now_ms=after + 50) == [0]
+    ((code, _, flags),) = await gate(index, after + 100, (KEY, 0.0, 1, 10_000))
+    assert code == 0 and flags & 1  # the next probe, at once
+    fails, open_until, _, _ = await index.breaker_state(KEY)
+    assert (fails, open_until) == (FAILS, NOW + 30_000)
+
+
+async def test_the_executor_gives_back_a_probe_that_sent_nothing(
+    index: Index, redis_prefix: str
+) -> None:
+    """The executor's side: a probe whose delivery was refused before sending (here a
+    missing secret) frees the probe slot instead of holding the breaker's key for the
+    probe's timeout."""
+    settings = ExecutorSettings(redis_prefix=redis_prefix, shards=index.shards)
+    limits = Limits(index, settings, asyncio.Event(), lambda: int(time.time() * 1000), 1)
+    key = "acme|http://127.0.0.1:80"
+    failures = settings.breaker_failures
+    await index.report([(key, False, None)] * failures, failures, 1, 60_000)
+    await asyncio.sleep(0.01)  # past the 1 ms cooldown: half-open
+    ((code, _, flags),) = await index.gate([(key, 0.0, 1, 60_000)], failures, 2000)
+    assert code == 0 and flags & 1
+    probe = Admission(key, code, 0, True, True)
+    nothing_sent = Outcome(False, None, "secret missing", sent=False)
+    await limits.report(cast(Occurrence, SimpleNamespace(namespace="acme")), probe, nothing_sent)
+    ((code, _, flags),) = await index.gate([(key, 0.0, 1, 60_000)], failures, 2000)
+    assert code == 0 and flags & 1, "the next delivery is the probe, at once"
+    await limits.drain()

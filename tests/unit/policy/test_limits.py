@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.executor.settle import Outcome
 from shared.contract import models, timefmt, validation
 from shared.contract.errors import ValidationFailed
 from shared.policy import limits
@@ -144,3 +145,12 @@ def test_no_answer_says_the_host_is_down(status: int | None) -> None:
 def test_nothing_sent_says_nothing(ok: bool, status: int | None, reached: bool) -> None:
     found = limits.attempt_health(_Attempt(ok, status, reached, sent=False))
     assert found is limits.Health.UNKNOWN
+
+
+def test_an_unroutable_amqp_message_says_the_broker_is_up() -> None:
+    """The broker returned the message (the outcome AMQP targets give it): one schedule's
+    routing key must not open the breaker of every schedule publishing to that exchange."""
+    returned = Outcome(False, None, "not routed: returned", reached=True)
+    assert limits.attempt_health(returned) is limits.Health.UP
+    unanswered = Outcome(False, None, "ConnectionError: refused")
+    assert limits.attempt_health(unanswered) is limits.Health.DOWN
