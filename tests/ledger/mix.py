@@ -22,7 +22,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "skip": {"policy": "skip"},
     "fire_once": {"policy": "fire_once"},
     "fire_all": {"policy": "fire_all", "window_s": 3600, "limit": 10_000},
-    "fire_all(limit)": {"policy": "fire_all", "window_s": 30, "limit": 2},
+    "fire_all(limit)": {"policy": "fire_all", "window_s": 30, "limit": 1},
 }
 #: Jitter above the misfire grace (1 s): on time although later than nominal + grace.
 JITTER_S = 3
