@@ -5,11 +5,12 @@ in its shard's one hash slot (Redis Cluster)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from redis.crc import key_slot
 
-from shared.contract.entries import Completion, occ_state
+from shared.contract.entries import BackfillStart, Completion, occ_state
 from shared.policy.holds import safety_ms_of
 from shared.redis import holds
 from shared.redis.holds import ToPark, ToRelease
@@ -133,3 +134,62 @@ async def test_every_call_touches_one_hash_slot(index: Index) -> None:
     assert {"park", "upsert", "wakes", "unpark", "remove"} <= names
     for name, keys in seen:
         assert len({key_slot(k.encode()) for k in keys}) == 1, (name, keys)
+
+
+async def test_a_write_that_keeps_the_rotation_releases_a_parked_backfill_too(
+    index: Index,
+) -> None:
+    # The schedule moved to a healthy target: its backfill's parked occurrence comes due now
+    # as its regular one does, not after the old target's cooldown or its safety deadline.
+    member, backfill = "ns/s", "ns/s#b"
+    await add(index, 0, member, NOW + 3_600_000)
+    assert await index.start_backfill(0, BackfillStart(member, 1, NOW - 1000, 3, NOW - 60_000))
+    [result] = await index.claim([0], 10, LEASE_MS, now_ms=NOW)
+    [claimed] = result.claimed
+    assert claimed.member == backfill
+    codes = await holds.park(
+        index,
+        {0: [ToPark(backfill, claimed.token, KEY, NOW + 30_000, LIMIT)]},
+        SAFETY,
+        now_ms=NOW,
+    )
+    assert codes == {0: [1]}
+    before = int(time.time() * 1000)
+    assert await add(index, 0, member, NOW + 3_600_000, version=2, mode="keep") == 1
+    due = (await index.position(0, backfill))[0]
+    assert due is not None and before - 1000 <= due <= int(time.time() * 1000) + 1000
+    assert await index.client.hlen(index.keys.parked_marks(0)) == 0
+
+
+async def test_a_pause_takes_a_parked_backfills_mark_with_it(index: Index) -> None:
+    member, backfill = "ns/s", "ns/s#b"
+    await add(index, 0, member, NOW + 3_600_000)
+    assert await index.start_backfill(0, BackfillStart(member, 1, NOW - 1000, 3, NOW - 60_000))
+    [result] = await index.claim([0], 10, LEASE_MS, now_ms=NOW)
+    [claimed] = result.claimed
+    await holds.park(
+        index,
+        {0: [ToPark(backfill, claimed.token, KEY, NOW + 30_000, LIMIT)]},
+        SAFETY,
+        now_ms=NOW,
+    )
+    assert await add(index, 0, member, NOW + 3_600_000, version=2, mode="park") == 1
+    assert (await index.position(0, backfill))[0] is None
+    assert await index.client.hlen(index.keys.parked_marks(0)) == 0
+
+
+async def test_a_delete_takes_a_parked_backfills_mark_with_it(index: Index) -> None:
+    member, backfill = "ns/s", "ns/s#b"
+    await add(index, 0, member, NOW + 3_600_000)
+    assert await index.start_backfill(0, BackfillStart(member, 1, NOW - 1000, 3, NOW - 60_000))
+    [result] = await index.claim([0], 10, LEASE_MS, now_ms=NOW)
+    [claimed] = result.claimed
+    await holds.park(
+        index,
+        {0: [ToPark(backfill, claimed.token, KEY, NOW + 30_000, LIMIT)]},
+        SAFETY,
+        now_ms=NOW,
+    )
+    await index.remove({0: [(member, None)]}, now_ms=NOW)
+    assert (await index.position(0, backfill))[0] is None
+    assert await index.client.hlen(index.keys.parked_marks(0)) == 0
