@@ -193,3 +193,28 @@ async def test_a_delete_takes_a_parked_backfills_mark_with_it(index: Index) -> N
     await index.remove({0: [(member, None)]}, now_ms=NOW)
     assert (await index.position(0, backfill))[0] is None
     assert await index.client.hlen(index.keys.parked_marks(0)) == 0
+
+
+async def test_an_occurrence_whose_schedule_was_written_in_flight_is_not_parked(
+    index: Index,
+) -> None:
+    # Claimed under version 1; its schedule moves to a new target (version 2, keep) while it
+    # is in flight, so the write finds nothing parked to release. The executor, holding the
+    # old target, would park it behind the old key: it comes due now instead, and is judged
+    # by its new target when claimed again.
+    token = await claimed_token(index, 0, "ns/a", NOW)
+    assert await add(index, 0, "ns/a", NOW + 999_999, version=2, mode="keep") == 1
+    codes = await holds.park(
+        index, {0: [ToPark("ns/a", token, KEY, NOW + 30_000, LIMIT, 1)]}, SAFETY, now_ms=NOW
+    )
+    assert codes == {0: [2]}
+    assert await index.position(0, "ns/a") == (NOW, None, occ_state(NOW, 1, "", 0, "c"))
+    assert await index.client.hlen(index.keys.parked_marks(0)) == 0
+    assert await holds.parked_count(index, 0, KEY) == 0
+    assert (await holds.wakes(index, 10, now_ms=NOW + 10**9))[1] == []
+    # Under the version it holds, it is parked as before.
+    token = await claimed_token(index, 0, "ns/b", NOW)
+    codes = await holds.park(
+        index, {0: [ToPark("ns/b", token, KEY, NOW + 30_000, LIMIT, 1)]}, SAFETY, now_ms=NOW
+    )
+    assert codes == {0: [1]}
