@@ -16,6 +16,7 @@
                               `ns/id#b` (one in flight becomes stale, its marker `ns/id#b!`
                               holding the same id created again the same way)
   KEYS[7] pkm    HASH  member -> parked deadline (park.lua): the mark goes with its member
+                              (and its backfill's)
   ARGV[1] now_ms (ms, optional: '' reads the server clock; tests only)
   ARGV[2..] pairs: member, version ('' : whatever version is stored)
 
@@ -58,6 +59,7 @@ for i = 2, #ARGV, 2 do
       redis.call('ZREM', due, backfill)
       redis.call('ZREM', lease, backfill)
       redis.call('HDEL', occ, backfill)
+      redis.call('HDEL', pkm, backfill)
     end
     results[#results + 1] = existed > 0 and 1 or 0
   end

@@ -33,7 +33,9 @@
   An occurrence parked behind a rate key (park.lua) is released by any write that keeps its
   rotation ('keep'): it comes due now, not at its safety deadline, and is held again only if
   its target (perhaps a new one, under another rate key) is still closed. Any other write takes
-  it out of `due` (its entry in the key's parked set is dropped as stale by unpark.lua).
+  it out of `due` (its entry in the key's parked set is dropped as stale by unpark.lua). Its
+  backfill's parked occurrence is released by any write but a pause, which takes it out of
+  `due`. A parked trigger is not: it waits for its key's release or its safety deadline.
 
   A schedule's backfill (member `ns/id#b`) follows its pause: 'park' takes it out of `due`
   (one in flight may finish; its next occurrence then waits), any other write resumes it where
@@ -48,6 +50,22 @@ local due, lease, occ, sched, gone, bf = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEY
 local pkm = KEYS[7]
 --!include lib/clock.lua
 
+-- A parked occurrence (still at its parked deadline) comes due now: its schedule changed, and
+-- may no longer wait on the key it was parked behind.
+local function unpark(member)
+  local deadline = redis.call('HGET', pkm, member)
+  if not deadline then
+    return
+  end
+  redis.call('HDEL', pkm, member)
+  local score = redis.call('ZSCORE', due, member)
+  if score and tonumber(score) == tonumber(deadline) then
+    redis.call('ZADD', due, clock_ms(nil), member)
+  end
+end
+
+-- The backfill follows the schedule's pause; any other write lets it go on where it stands,
+-- and releases it if parked (as the regular occurrence: its target may have changed).
 local function follow_pause(member, mode)
   local held = redis.call('HGET', bf, member)
   if not held then
@@ -61,6 +79,7 @@ local function follow_pause(member, mode)
   if mode == 'park' then
     redis.call('HSET', bf, member, head .. '|' .. start .. '|1')
     redis.call('ZREM', due, backfill)
+    redis.call('HDEL', pkm, backfill)
   elseif paused == '1' then
     redis.call('HSET', bf, member, head .. '|' .. start .. '|')
     if not redis.call('ZSCORE', lease, backfill) then
@@ -70,6 +89,8 @@ local function follow_pause(member, mode)
         redis.call('ZADD', due, at, backfill)
       end
     end
+  else
+    unpark(backfill)
   end
 end
 
@@ -99,20 +120,6 @@ end
 
 local function in_rotation(member)
   return redis.call('ZSCORE', due, member) or redis.call('ZSCORE', lease, member)
-end
-
--- A parked occurrence (still at its parked deadline) comes due now: its schedule changed, and
--- may no longer wait on the key it was parked behind.
-local function unpark(member)
-  local deadline = redis.call('HGET', pkm, member)
-  if not deadline then
-    return
-  end
-  redis.call('HDEL', pkm, member)
-  local score = redis.call('ZSCORE', due, member)
-  if score and tonumber(score) == tonumber(deadline) then
-    redis.call('ZADD', due, clock_ms(nil), member)
-  end
 end
 
 local results = {}

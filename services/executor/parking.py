@@ -77,11 +77,19 @@ class Parking:
         return ordered
 
     async def park(self, occ: Occurrence, rate_key: str, wake_ms: int, limit: str) -> int:
-        """Park a held occurrence behind ``rate_key`` until ``wake_ms`` (1 parked, 0 stale)."""
-        item = (occ.shard, parked.ToPark(occ.member, occ.token, rate_key, wake_ms, limit))
+        """Park a held occurrence behind ``rate_key`` until ``wake_ms`` (1 parked, 0 stale,
+        2 due now: its schedule was written since it was claimed, perhaps to a new target)."""
+        item = (
+            occ.shard,
+            parked.ToPark(occ.member, occ.token, rate_key, wake_ms, limit, occ.plan.version),
+        )
         code: int = await transient.retry(
             lambda: self._park.submit(item), what="park", stopping=self.stopping
         )
+        if code == parked.DUE_NOW:
+            # Dispatchers sleep until the earliest due time they know of: tell them.
+            with contextlib.suppress(*transient.ERRORS):
+                await self.index.client.publish(self.index.keys.wake_channel, "0")
         return code
 
     async def nudge(self, rate_key: str) -> None:

@@ -10,6 +10,10 @@ from typing import Any
 from shared.policy.holds import Gate, safety_ms_of
 from shared.redis.index import Index
 
+#: park.lua's code for an occurrence not parked but due now: its schedule was written since
+#: its claim.
+DUE_NOW = 2
+
 
 @dataclass(frozen=True, slots=True)
 class ToPark:
@@ -19,6 +23,9 @@ class ToPark:
     wake_ms: int
     #: ``interval_ms|burst`` (``shared.policy.holds.format_limit``).
     limit: str
+    #: The version of the schedule the executor holds (None: not checked): one written since
+    #: is not parked but due now (park.lua).
+    version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +53,9 @@ def _text(value: Any) -> str:
 async def park(
     index: Index, items: dict[int, list[ToPark]], safety_ms: int, now_ms: int | None = None
 ) -> dict[int, list[int]]:
-    """Per shard, 1 parked or 0 stale for each item. Each comes due by itself about
-    ``safety_ms`` past its wake, spread by its member (``safety_ms_of``)."""
+    """Per shard, 1 parked, 0 stale or 2 due now (its schedule was written since its claim)
+    for each item. Each comes due by itself about ``safety_ms`` past its wake, spread by its
+    member (``safety_ms_of``)."""
     calls = []
     for shard, batch in items.items():
         keys = [
@@ -57,12 +65,14 @@ async def park(
             index.keys.parked(shard),
             index.keys.parked_rates(shard),
             index.keys.parked_marks(shard),
+            index.keys.sched(shard),
             *[index.keys.parked_on(shard, p.rate_key) for p in batch],
         ]
         args: list[Any] = ["" if now_ms is None else now_ms]
         for p in batch:
             safety = safety_ms_of(p.member, safety_ms)
-            args += [p.member, p.token, p.rate_key, p.wake_ms, p.limit, safety]
+            version = "" if p.version is None else p.version
+            args += [p.member, p.token, p.rate_key, p.wake_ms, p.limit, safety, version]
         calls.append(("park", keys, args))
     replies = await index.run(calls)
     return {s: [int(c) for c in r] for s, r in zip(items, replies, strict=True)}

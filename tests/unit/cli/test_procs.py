@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,36 @@ def test_supervise_stops_on_a_signal_that_comes_before_its_children_exist(
                 child.wait()
     assert len(started) == 1
     assert started[0].returncode in (0, -signal.SIGTERM)
+
+
+def test_supervise_restarts_a_child_that_dies_and_passes_sigint_on_to_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first child dies at once (a crash): it is started again. SIGINT later reaches every
+    # child alive, the restarted one included, and the supervisor returns once they stopped.
+    real_popen = subprocess.Popen
+    started: list[subprocess.Popen[bytes]] = []
+    sleeper = SLEEPER.replace("signal.SIGTERM", "signal.SIGINT")
+
+    def popen(args: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        code = "import sys; sys.exit(3)" if not started else sleeper
+        child = real_popen([sys.executable, "-c", code])
+        started.append(child)
+        if len(started) == 3:  # both running: the dead one restarted, the other one
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return child
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    try:
+        assert procs.supervise("executor", 2, 0) in (0, -signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for child in started:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    assert len(started) == 3
+    assert started[0].returncode == 3
+    assert all(c.returncode in (0, -signal.SIGINT) for c in started[1:])
