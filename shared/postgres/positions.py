@@ -46,12 +46,39 @@ async def take(conn: Connection, stamps: Sequence[tuple[str, str, int]]) -> dict
     return {int(r["shard"]): int(r["committed"]) for r in records}
 
 
+#: The channel ``mark_answered`` notifies, in the transaction that raises ``answered``: every
+#: dispatcher listens, so that one holding a shard fences its claims with a position another
+#: dispatcher answered within milliseconds, not at its next read of the table.
+ANSWERED_CHANNEL = "cronbus_answered"
+
+
+def answered_payload(positions: Mapping[int, int]) -> str:
+    """``shard:position,...``: what a notification on ``ANSWERED_CHANNEL`` carries."""
+    return ",".join(f"{shard}:{position}" for shard, position in sorted(positions.items()))
+
+
+def parse_answered(payload: str) -> dict[int, int]:
+    """The positions of a notification; a malformed part is skipped (the next read of the
+    table has it anyway)."""
+    found: dict[int, int] = {}
+    for part in payload.split(","):
+        shard, _, position = part.partition(":")
+        if shard.isdigit() and position.isdigit():
+            found[int(shard)] = int(position)
+    return found
+
+
 async def mark_answered(pool: asyncpg.Pool, positions: Mapping[int, int]) -> None:
-    """These positions are applied in Redis and about to be answered ok."""
+    """These positions are applied in Redis and about to be answered ok; the dispatchers are
+    told at the commit (``ANSWERED_CHANNEL``)."""
     if not positions:
         return
     shards = sorted(positions)
-    await pool.execute(QUERIES["mark_answered"], shards, [positions[s] for s in shards])
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute(QUERIES["mark_answered"], shards, [positions[s] for s in shards])
+        await conn.execute(
+            QUERIES["notify_answered"], ANSWERED_CHANNEL, answered_payload(positions)
+        )
 
 
 async def read(pool: asyncpg.Pool) -> dict[int, ShardPosition]:

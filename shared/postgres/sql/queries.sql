@@ -580,3 +580,8 @@ ORDER BY s.position;
 -- Which database this is: the cluster's system identifier and the database's name (the index
 -- records it, so that an index of another database is never fired).
 SELECT (SELECT system_identifier::text FROM pg_control_system()) || '/' || current_database();
+
+-- notify_answered --
+-- Tells every dispatcher, at the commit, of positions just answered ($1 channel, $2 payload
+-- `shard:position,...`): they fence their claims with them at once.
+SELECT pg_notify($1, $2);
