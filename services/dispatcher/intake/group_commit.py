@@ -215,28 +215,29 @@ class Committer:
                     # Its index entry is removed, backfill included (remove.lua): a row kept
                     # here would never be restored nor removed by a completion.
                     await self.store.drop_backfill(conn, namespace, schedule_id)
-        if await self._index_batch(effect, dropped):
-            await self._answer_positions(taken)
+        written = await self._index_batch(effect, dropped)
+        await self._answer_positions(taken, written)
         return effect
 
-    async def _answer_positions(self, taken: dict[int, int]) -> None:
+    async def _answer_positions(self, taken: dict[int, int], written: bool) -> None:
         """The batch's writes are in Redis: its positions are recorded there (after the
         writes: a replica that has them has the writes), then in PostgreSQL as answered, and
-        only then are the commands answered. Should any of this fail, the shard lags its
-        committed position and the sweeper replays it; the replies are still right."""
+        only then are the commands answered. Answered they are even when Redis refused the
+        writes or the note: the reply says ok (PostgreSQL has the change), so the shard,
+        behind its answered position, is fenced until the sweeper has replayed it; otherwise
+        a deleted or paused schedule would fire from the index that refused its removal."""
         if not taken:
             return
         settings = self.settings
-        noted = await self.writes.write(
-            lambda: self.index.advance(
-                taken,
-                "note",
-                wait_replicas=settings.redis_wait_replicas,
-                wait_timeout_ms=settings.redis_wait_timeout_ms,
+        if written:
+            await self.writes.write(
+                lambda: self.index.advance(
+                    taken,
+                    "note",
+                    wait_replicas=settings.redis_wait_replicas,
+                    wait_timeout_ms=settings.redis_wait_timeout_ms,
+                )
             )
-        )
-        if not noted:
-            return
         try:
             await transient.retry(
                 lambda: positions.mark_answered(self.store.pool, taken),
