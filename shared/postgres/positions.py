@@ -81,6 +81,27 @@ async def mark_answered(pool: asyncpg.Pool, positions: Mapping[int, int]) -> Non
         )
 
 
+async def of_schedules(
+    conn: Connection | asyncpg.Pool, members: Sequence[tuple[str, str]]
+) -> dict[int, int]:
+    """Per shard, the position of the last change of these (namespace, id) schedules."""
+    if not members:
+        return {}
+    records = await conn.fetch(
+        QUERIES["positions_of_schedules"], [ns for ns, _ in members], [i for _, i in members]
+    )
+    return {int(r["shard"]): int(r["position"]) for r in records}
+
+
+def highest(*found: Mapping[int, int]) -> dict[int, int]:
+    """Per shard, the highest of these positions."""
+    out: dict[int, int] = {}
+    for positions in found:
+        for shard, position in positions.items():
+            out[shard] = max(out.get(shard, 0), position)
+    return out
+
+
 async def read(pool: asyncpg.Pool) -> dict[int, ShardPosition]:
     """Every shard's committed and answered positions (a shard never changed is absent)."""
     records = await pool.fetch(QUERIES["index_positions"])
