@@ -52,9 +52,26 @@ async def take(conn: Connection, stamps: Sequence[tuple[str, str, int]]) -> dict
 ANSWERED_CHANNEL = "cronbus_answered"
 
 
-def answered_payload(positions: Mapping[int, int]) -> str:
-    """``shard:position,...``: what a notification on ``ANSWERED_CHANNEL`` carries."""
-    return ",".join(f"{shard}:{position}" for shard, position in sorted(positions.items()))
+#: PostgreSQL refuses a notification payload of 8000 bytes or more.
+MAX_PAYLOAD_BYTES = 7000
+
+
+def answered_payloads(positions: Mapping[int, int]) -> list[str]:
+    """``shard:position,...``: what the notifications on ``ANSWERED_CHANNEL`` carry, split so
+    that each stays under PostgreSQL's limit (a group commit may touch every shard)."""
+    payloads: list[str] = []
+    parts: list[str] = []
+    size = 0
+    for shard, position in sorted(positions.items()):
+        part = f"{shard}:{position}"
+        if parts and size + len(part) + 1 > MAX_PAYLOAD_BYTES:
+            payloads.append(",".join(parts))
+            parts, size = [], 0
+        parts.append(part)
+        size += len(part) + 1
+    if parts:
+        payloads.append(",".join(parts))
+    return payloads
 
 
 def parse_answered(payload: str) -> dict[int, int]:
@@ -76,9 +93,8 @@ async def mark_answered(pool: asyncpg.Pool, positions: Mapping[int, int]) -> Non
     shards = sorted(positions)
     async with pool.acquire() as conn, conn.transaction():
         await conn.execute(QUERIES["mark_answered"], shards, [positions[s] for s in shards])
-        await conn.execute(
-            QUERIES["notify_answered"], ANSWERED_CHANNEL, answered_payload(positions)
-        )
+        for payload in answered_payloads(positions):
+            await conn.execute(QUERIES["notify_answered"], ANSWERED_CHANNEL, payload)
 
 
 async def of_schedules(

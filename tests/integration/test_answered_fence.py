@@ -74,7 +74,29 @@ async def test_a_fence_listens_again_after_losing_its_connection(store: Store) -
             await asyncio.wait_for(following, 5)
 
 
-def test_the_notification_payload_round_trips() -> None:
-    sent = {0: 1, 12: 99, 3: 4_000_000_000}
-    assert positions.parse_answered(positions.answered_payload(sent)) == sent
+def test_the_notification_payloads_round_trip_under_postgresqls_limit() -> None:
+    for sent in ({0: 1, 12: 99, 3: 4_000_000_000}, {s: 10**12 + s for s in range(1024)}):
+        payloads = positions.answered_payloads(sent)
+        assert all(len(p.encode()) < 8000 for p in payloads), [len(p) for p in payloads]
+        received: dict[int, int] = {}
+        for payload in payloads:
+            received.update(positions.parse_answered(payload))
+        assert received == sent
     assert positions.parse_answered("junk,1:x,2:3,:4") == {2: 3}
+
+
+async def test_a_batch_across_every_shard_is_answered_and_heard(store: Store) -> None:
+    """1024 shards (the most CRONBUS_SHARDS allows) at large positions: one notification of
+    them all would pass PostgreSQL's 8000-byte limit and fail the answer."""
+    fence, stopping = Fence(), asyncio.Event()
+    following = asyncio.create_task(fence.follow(store.pool, SLOW_READ_S, stopping))
+    try:
+        await asyncio.wait_for(fence.known.wait(), 5)
+        sent = {shard: 10**12 + shard for shard in range(1024)}
+        await positions.mark_answered(store.pool, sent)
+        await wait_for(fence, 1023, sent[1023], NOTIFIED_WITHIN_S)
+        assert {s: fence.answered.get(s) for s in sent} == sent
+    finally:
+        stopping.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(following, 5)
