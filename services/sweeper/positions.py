@@ -15,7 +15,7 @@ import time
 from services.sweeper.rebuild import same_servers
 from services.sweeper.repair import Repairs
 from shared.postgres import positions
-from shared.runtime import metrics
+from shared.runtime import metrics, transient
 
 # The sweeper's log lines keep one logger name, whichever module writes them.
 log = logging.getLogger("services.sweeper.sweeper")
@@ -23,6 +23,19 @@ log = logging.getLogger("services.sweeper.sweeper")
 
 class PositionReplay(Repairs):
     """The sweeper's position checks (a part of ``Sweeper``)."""
+
+    async def keep_positions(self) -> None:
+        """One position check; an error other than an outage is logged and the next round
+        tries again. A shard fenced behind an answered command fires nothing until it is
+        replayed: the check must not stop for good (until a restart) on one refusal."""
+        try:
+            await self.check_positions()
+        except transient.ERRORS:
+            raise
+        except Exception:
+            log.exception(
+                "position check failed; trying again", extra={"action": "position_check_failed"}
+            )
 
     async def check_positions(self) -> int:
         """Replay the rows each lagging shard lacks, then move its position on; returns the

@@ -68,7 +68,7 @@ class Sweeper(PositionReplay):
         replaying = asyncio.create_task(
             transient.every(
                 self.settings.position_check_s,
-                self.check_positions,
+                self.keep_positions,
                 what="position check",
                 stopping=self.stopping,
             ),

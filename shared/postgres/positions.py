@@ -46,12 +46,76 @@ async def take(conn: Connection, stamps: Sequence[tuple[str, str, int]]) -> dict
     return {int(r["shard"]): int(r["committed"]) for r in records}
 
 
+#: The channel ``mark_answered`` notifies, in the transaction that raises ``answered``: every
+#: dispatcher listens, so that one holding a shard fences its claims with a position another
+#: dispatcher answered within milliseconds, not at its next read of the table.
+ANSWERED_CHANNEL = "cronbus_answered"
+
+
+#: PostgreSQL refuses a notification payload of 8000 bytes or more.
+MAX_PAYLOAD_BYTES = 7000
+
+
+def answered_payloads(positions: Mapping[int, int]) -> list[str]:
+    """``shard:position,...``: what the notifications on ``ANSWERED_CHANNEL`` carry, split so
+    that each stays under PostgreSQL's limit (a group commit may touch every shard)."""
+    payloads: list[str] = []
+    parts: list[str] = []
+    size = 0
+    for shard, position in sorted(positions.items()):
+        part = f"{shard}:{position}"
+        if parts and size + len(part) + 1 > MAX_PAYLOAD_BYTES:
+            payloads.append(",".join(parts))
+            parts, size = [], 0
+        parts.append(part)
+        size += len(part) + 1
+    if parts:
+        payloads.append(",".join(parts))
+    return payloads
+
+
+def parse_answered(payload: str) -> dict[int, int]:
+    """The positions of a notification; a malformed part is skipped (the next read of the
+    table has it anyway)."""
+    found: dict[int, int] = {}
+    for part in payload.split(","):
+        shard, _, position = part.partition(":")
+        if shard.isdigit() and position.isdigit():
+            found[int(shard)] = int(position)
+    return found
+
+
 async def mark_answered(pool: asyncpg.Pool, positions: Mapping[int, int]) -> None:
-    """These positions are applied in Redis and about to be answered ok."""
+    """These positions are applied in Redis and about to be answered ok; the dispatchers are
+    told at the commit (``ANSWERED_CHANNEL``)."""
     if not positions:
         return
     shards = sorted(positions)
-    await pool.execute(QUERIES["mark_answered"], shards, [positions[s] for s in shards])
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute(QUERIES["mark_answered"], shards, [positions[s] for s in shards])
+        for payload in answered_payloads(positions):
+            await conn.execute(QUERIES["notify_answered"], ANSWERED_CHANNEL, payload)
+
+
+async def of_schedules(
+    conn: Connection | asyncpg.Pool, members: Sequence[tuple[str, str]]
+) -> dict[int, int]:
+    """Per shard, the position of the last change of these (namespace, id) schedules."""
+    if not members:
+        return {}
+    records = await conn.fetch(
+        QUERIES["positions_of_schedules"], [ns for ns, _ in members], [i for _, i in members]
+    )
+    return {int(r["shard"]): int(r["position"]) for r in records}
+
+
+def highest(*found: Mapping[int, int]) -> dict[int, int]:
+    """Per shard, the highest of these positions."""
+    out: dict[int, int] = {}
+    for positions in found:
+        for shard, position in positions.items():
+            out[shard] = max(out.get(shard, 0), position)
+    return out
 
 
 async def read(pool: asyncpg.Pool) -> dict[int, ShardPosition]:

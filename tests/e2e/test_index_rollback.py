@@ -213,7 +213,7 @@ async def test_an_index_of_another_database_is_refused_at_start(
         await redis.set(f"{redis_prefix}:meta:database", "7000000000000000001/elsewhere")
         await redis.set(f"{redis_prefix}:meta:epoch", "3")
         await redis.hset(f"{redis_prefix}:{{0}}:sched", "x/y", b'{"v":1}')
-        for service in ("dispatcher", "sweeper"):
+        for service in ("dispatcher", "executor", "sweeper"):
             result = await asyncio.to_thread(
                 subprocess.run,
                 [sys.executable, "-m", f"services.{service}"],

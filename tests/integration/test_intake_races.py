@@ -16,6 +16,7 @@ from services.dispatcher import batch
 from services.dispatcher.intake import Intake, Meta, Received
 from shared.contract import codec, validation
 from shared.contract.rows import CommandAudit
+from shared.postgres import positions
 from shared.postgres.store import Store
 from shared.redis.index import Index
 from shared.runtime.config import DispatcherSettings
@@ -364,3 +365,88 @@ async def test_two_dispatchers_creating_one_schedule_with_expected_version_0_cre
     ]
     # "Create only if absent" holds for one of them; the other is told of the conflict.
     assert sorted(map(str, outcomes)) == ["(True, 1)", "version_conflict"], outcomes
+
+
+async def test_a_delete_whose_index_write_redis_refused_fences_its_shard_until_replayed(
+    store: Store, index: Index, connection: AbstractRobustConnection, redis_prefix: str
+) -> None:
+    """Invariant 9: the delete is answered ok (PostgreSQL has it) though Redis refused its
+    index write; the schedule is still due in that index, so its shard's answered position
+    must be past the index's: dispatchers claim nothing from it until the sweeper replays."""
+    channel = await connection.channel()
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS)
+    intake = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+    await intake.commits.commit_upserts([upsert_item("d", every("gone"))])
+    real_remove = index.remove
+
+    async def remove_refused(*args: Any, **kwargs: Any) -> Any:
+        raise redis.exceptions.ResponseError(
+            "OOM command not allowed when used memory > 'maxmemory'"
+        )
+
+    index.remove = remove_refused  # type: ignore[method-assign]
+    try:
+        audit = CommandAudit("d", "delete", "gone", "ok")
+        [reply] = await intake.commits.commit_upserts(
+            [batch.ChangeItem("d", "gone", "delete", audit)]
+        )
+    finally:
+        index.remove = real_remove  # type: ignore[method-assign]
+    assert not isinstance(reply, Exception) and reply.get("ok"), reply
+    shard = index.shard_of("d", "gone")
+    assert await index.knows(shard, "d/gone"), "the refused removal left the schedule due"
+    answered = (await positions.read(store.pool))[shard].answered
+    held = (await index.positions())[shard]
+    assert held < answered, (
+        f"the delete was answered ok, yet shard {shard}'s answered position ({answered}) is not "
+        f"past the index's ({held}): a dispatcher would claim the deleted schedule from it"
+    )
+    claimed = await index.claim(
+        [shard], 10, 30_000, now_ms=int(time.time() * 1000) + 3_600_000, answered={shard: answered}
+    )
+    assert claimed[0].fenced and not claimed[0].claimed
+
+
+async def test_a_delete_redelivered_after_its_intake_died_before_the_index_fences_its_shard(
+    store: Store, index: Index, connection: AbstractRobustConnection, redis_prefix: str
+) -> None:
+    """Invariant 9: the first dispatcher commits the delete and dies before its index write;
+    the broker redelivers it to another, which answers ok (applied already). The schedule is
+    still due in the index, so the shard must be fenced until the sweeper replays it."""
+    channel = await connection.channel()
+    settings = DispatcherSettings(redis_prefix=redis_prefix, shards=SHARDS)
+    first = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+    second = Intake(settings, store, index, channel, no_wake, asyncio.Event())
+    await second.commits.commit_upserts([upsert_item("d", every("gone"))])
+    body = {"id": "gone"}
+
+    def delete() -> batch.ChangeItem:
+        audit = CommandAudit("d", "delete", "gone", "ok", body=body, message_id="del-1")
+        return batch.ChangeItem("d", "gone", "delete", audit, "del-1", body)
+
+    real_remove, never = index.remove, asyncio.Event()
+
+    async def remove_hangs(*args: Any, **kwargs: Any) -> Any:
+        await never.wait()  # the process dies here, after PostgreSQL committed
+
+    index.remove = remove_hangs  # type: ignore[method-assign]
+    dying = asyncio.create_task(first.commits.commit_upserts([delete()]))
+    try:
+        for _ in range(200):
+            row = await store.get_schedule("d", "gone")
+            if row is not None and row.state == "deleted":
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        dying.cancel()
+        index.remove = real_remove  # type: ignore[method-assign]
+    [reply] = await second.commits.commit_upserts([delete()])
+    assert not isinstance(reply, Exception) and reply.get("ok"), reply
+    shard = index.shard_of("d", "gone")
+    assert await index.knows(shard, "d/gone"), "the died delivery's removal never landed"
+    answered = (await positions.read(store.pool))[shard].answered
+    held = (await index.positions())[shard]
+    assert held < answered, (
+        f"the redelivered delete was answered ok, yet shard {shard}'s answered position "
+        f"({answered}) is not past the index's ({held}): the deleted schedule would fire"
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from services.dispatcher import batch
@@ -207,6 +207,12 @@ class Committer:
             taken = await positions.take(
                 conn, [(ns, i, self.index.shard_of(ns, i)) for ns, i in effect.rows]
             )
+            # A command applied already (a redelivery after a crash) is answered ok again,
+            # though the first delivery may have died before its index writes: its schedules'
+            # positions are answered too, so the shard is fenced until it is replayed.
+            earlier = await positions.of_schedules(
+                conn, [key for key in members if key not in effect.rows]
+            )
             dropped: list[PendingRun] = []
             for (namespace, schedule_id), row in effect.rows.items():
                 if row.state == "deleted":
@@ -215,38 +221,44 @@ class Committer:
                     # Its index entry is removed, backfill included (remove.lua): a row kept
                     # here would never be restored nor removed by a completion.
                     await self.store.drop_backfill(conn, namespace, schedule_id)
-        if await self._index_batch(effect, dropped):
-            await self._answer_positions(taken)
+        written = await self._index_batch(effect, dropped)
+        await self._answer_positions(taken, written, earlier)
         return effect
 
-    async def _answer_positions(self, taken: dict[int, int]) -> None:
+    async def _answer_positions(
+        self, taken: dict[int, int], written: bool, earlier: Mapping[int, int]
+    ) -> None:
         """The batch's writes are in Redis: its positions are recorded there (after the
         writes: a replica that has them has the writes), then in PostgreSQL as answered, and
-        only then are the commands answered. Should any of this fail, the shard lags its
-        committed position and the sweeper replays it; the replies are still right."""
-        if not taken:
+        only then are the commands answered. Answered they are even when Redis refused the
+        writes or the note: the reply says ok (PostgreSQL has the change), so the shard,
+        behind its answered position, is fenced until the sweeper has replayed it; otherwise
+        a deleted or paused schedule would fire from the index that refused its removal.
+        ``earlier``: positions of changes made by earlier deliveries of commands answered
+        again, answered (not noted: this intake did not write them)."""
+        answered = positions.highest(taken, earlier)
+        if not answered:
             return
         settings = self.settings
-        noted = await self.writes.write(
-            lambda: self.index.advance(
-                taken,
-                "note",
-                wait_replicas=settings.redis_wait_replicas,
-                wait_timeout_ms=settings.redis_wait_timeout_ms,
+        if written and taken:
+            await self.writes.write(
+                lambda: self.index.advance(
+                    taken,
+                    "note",
+                    wait_replicas=settings.redis_wait_replicas,
+                    wait_timeout_ms=settings.redis_wait_timeout_ms,
+                )
             )
-        )
-        if not noted:
-            return
         try:
             await transient.retry(
-                lambda: positions.mark_answered(self.store.pool, taken),
+                lambda: positions.mark_answered(self.store.pool, answered),
                 what="answered positions",
                 stopping=self.stopping,
             )
         except transient.Stopped:
             return
         if self.fence is not None:
-            self.fence.raise_to(taken)
+            self.fence.raise_to(answered)
 
     async def _over_quota(
         self,

@@ -15,10 +15,11 @@ from typing import Any
 
 from services.dispatcher import batch
 from services.dispatcher.intake.index_writes import Wake
-from services.dispatcher.intake.receiving import Received
+from services.dispatcher.intake.receiving import Received, schedule_ids_of
 from shared.contract import commands, keys, timefmt
 from shared.contract.entries import BackfillStart
 from shared.contract.rows import AppliedCommand, CommandAudit, PendingRun
+from shared.postgres import positions
 from shared.postgres.store import Store
 from shared.redis.index import Index
 
@@ -58,11 +59,21 @@ class Replays:
         if applied.verb != verb or applied.body != received.parsed:
             raise batch.message_id_conflict(namespace, message_id, applied.verb)
         reply = applied.reply
+        if verb == "upsert_many":
+            await self.answer_again(namespace, received)
         if verb == "trigger":
             await self.ensure_trigger(namespace, reply)
         elif verb == "backfill" and isinstance(received.command, commands.BackfillCommand):
             await self.ensure_backfill(namespace, received.command.id)
         return {**reply, "duplicate": True}
+
+    async def answer_again(self, namespace: str, received: Received) -> None:
+        """Its schedules' positions answered (invariant 9): the first delivery may have died
+        before its index writes, and this reply says ok; the shard is fenced until it is
+        replayed."""
+        ids = [i for i in schedule_ids_of(received) if i]
+        found = await positions.of_schedules(self.store.pool, [(namespace, i) for i in ids])
+        await positions.mark_answered(self.store.pool, found)
 
     async def applied_under_lock(
         self, conn: Any, namespace: str, audit: CommandAudit, verb: str

@@ -580,3 +580,17 @@ ORDER BY s.position;
 -- Which database this is: the cluster's system identifier and the database's name (the index
 -- records it, so that an index of another database is never fired).
 SELECT (SELECT system_identifier::text FROM pg_control_system()) || '/' || current_database();
+
+-- notify_answered --
+-- Tells every dispatcher, at the commit, of positions just answered ($1 channel, $2 payload
+-- `shard:position,...`): they fence their claims with them at once.
+SELECT pg_notify($1, $2);
+
+-- positions_of_schedules --
+-- Per shard, the position of the last change of these schedules ($1 namespaces, $2 ids): a
+-- command found applied already is answered again, and its change may not be in Redis yet.
+SELECT s.shard, max(s.position) AS position
+FROM unnest($1::text[], $2::text[]) AS r(namespace, id)
+JOIN schedules AS s ON s.namespace = r.namespace AND s.id = r.id
+WHERE s.shard IS NOT NULL AND s.position > 0
+GROUP BY s.shard;
