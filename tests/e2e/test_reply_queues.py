@@ -250,3 +250,32 @@ async def test_a_token_the_broker_cannot_place_costs_its_own_reply_only(
         direct = await channel.declare_queue(keys.DIRECT_REPLY_TO, passive=True)
         assert (await ask(channel, direct, upsert("direct"), timeout_s=10))["ok"] is True
     assert "reply_to_unplaceable" in dispatcher.tails()
+
+
+async def test_a_queue_declared_durable_after_its_exclusive_owner_left_is_never_written_into(
+    dispatcher: Stack, amqp_url: str
+) -> None:
+    """The broker's word is kept a while, but a reply is published only where the broker still
+    says, at that moment, that the queue is exclusive: an exclusive queue answered once, its
+    owner gone, and a durable queue of the same name declared by another tenant at once gets
+    no reply (the command is dead-lettered with why and counted)."""
+    name = f"acme.replies.{uuid.uuid4().hex}"
+    first = await aio_pika.connect(amqp_url)
+    async with first:
+        channel = await first.channel()
+        owned = await channel.declare_queue(name, exclusive=True)
+        assert (await ask(channel, owned, upsert("while-owned")))["ok"] is True
+    victim_connection = await aio_pika.connect(amqp_url)
+    attacker = await aio_pika.connect(amqp_url)
+    async with victim_connection, attacker:
+        victim = await (await victim_connection.channel()).declare_queue(name, durable=True)
+        channel = await attacker.channel()
+        commands = await channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
+        await commands.publish(
+            aio_pika.Message(upsert("after-owner-left"), reply_to=name, correlation_id="c-l"),
+            routing_key="acme.upsert",
+        )
+        reasons = await dead_reasons(channel, 1)
+        assert len(reasons) == 1 and f"reply_to {name!r}" in reasons[0], reasons
+        assert await victim.get(fail=False) is None
+        assert await refused_count(dispatcher) == 1

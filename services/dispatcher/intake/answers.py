@@ -115,14 +115,20 @@ class Answers:
             lambda: self.store.record_command(audit_of(received, "internal", error)),
             lambda: self.dead_letter(received, "internal: the error is in the dispatcher's log"),
         ]
-        # Answered only where it was checked before the failure (a fresh verdict is cached).
+        # Answered only where it was checked before the failure, and still may be.
         if received.meta.reply_to and self._checked(received.meta.reply_to):
-            steps.append(lambda: self.answer(received.meta, {"ok": False, "error": error}))
+            steps.append(lambda: self._answer_if_answerable(received.meta, error))
         for step in steps:
             try:
                 await asyncio.wait_for(step(), FAIL_SAFE_TIMEOUT_S)
             except Exception:
                 log.exception("could not report a failed command", extra={"action": "internal"})
+
+    async def _answer_if_answerable(self, meta: Meta, error: dict[str, Any]) -> None:
+        checked = bool(meta.reply_to) and replies.shape_of(meta.reply_to).route is Route.CHECK
+        if checked and not (await self.reply_queues.still_answerable(meta.reply_to)).answer:
+            return  # dead-lettered anyway
+        await self.answer(meta, {"ok": False, "error": error})
 
     def _checked(self, reply_to: str) -> bool:
         route = replies.shape_of(reply_to).route
@@ -130,6 +136,24 @@ class Answers:
             verdict = self.reply_queues.cache.get(reply_to, self.reply_queues.clock())
             return verdict is not None and verdict.answer
         return route is not Route.REFUSED
+
+    async def reply(self, received: Received, reply: dict[str, Any]) -> None:
+        """Answer an applied command, where the broker says right now that a reply may go: a
+        kept verdict is not enough to write into a queue (its owner may have left, and another
+        tenant may have declared that name since). Else the command is dead-lettered."""
+        meta = received.meta
+        if meta.reply_to and replies.shape_of(meta.reply_to).route is Route.CHECK:
+            verdict = await self.reply_queues.still_answerable(meta.reply_to)
+            if not verdict.answer:
+                metrics.REPLY_TO_REFUSED.inc()
+                log.warning(
+                    "reply queue no longer exclusive: the applied command is not answered",
+                    extra={"action": "reply_to_gone", "reply_to": meta.reply_to[:255]},
+                )
+                reason = replies.refusal_reason(meta.reply_to, verdict.reason)
+                await self.dead_letter(received, f"invalid_command: {reason} (it was applied)")
+                return
+        await self.answer(meta, reply)
 
     async def answer(self, meta: Meta, reply: dict[str, Any]) -> None:
         if not meta.reply_to:
