@@ -125,8 +125,9 @@ class Answers:
                 log.exception("could not report a failed command", extra={"action": "internal"})
 
     async def _answer_if_answerable(self, meta: Meta, error: dict[str, Any]) -> None:
-        checked = bool(meta.reply_to) and replies.shape_of(meta.reply_to).route is Route.CHECK
-        if checked and not (await self.reply_queues.still_answerable(meta.reply_to)).answer:
+        reply_to = meta.reply_to or ""
+        checked = replies.shape_of(reply_to).route is Route.CHECK if reply_to else False
+        if checked and not (await self.reply_queues.still_answerable(reply_to)).answer:
             return  # dead-lettered anyway
         await self.answer(meta, {"ok": False, "error": error})
 
