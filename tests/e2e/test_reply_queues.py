@@ -134,7 +134,13 @@ async def test_a_queue_others_consume_is_never_written_into(
         victim = await victim_channel.declare_queue("billing.inbox", durable=True)
         channel = await attacker.channel()
         commands = await channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
-        hostile = ["billing.inbox", "no.such.queue", "amq.rabbitmq.reply-to.a.b"]
+        hostile = [
+            "billing.inbox",
+            "no.such.queue",
+            "amq.rabbitmq.reply-to.a.b",
+            "amq_\u00e9t\u00e9",  # a name AMQP clients cannot declare, passively or not
+            "q!",
+        ]
         for n, reply_to in enumerate(hostile):
             await commands.publish(
                 aio_pika.Message(upsert(f"hostile-{n}"), reply_to=reply_to, correlation_id="c"),
