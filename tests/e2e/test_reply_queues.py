@@ -7,7 +7,9 @@ import asyncio
 import base64
 import re
 import struct
+import subprocess
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -285,3 +287,50 @@ async def test_a_queue_declared_durable_after_its_exclusive_owner_left_is_never_
         assert len(reasons) == 1 and f"reply_to {name!r}" in reasons[0], reasons
         assert await victim.get(fail=False) is None
         assert await refused_count(dispatcher) == 1
+
+
+def close_connections_named(amqp_url: str, name: str) -> int:
+    """Have the broker close this vhost's connections named ``name`` (how many it closed)."""
+    vhost = urllib.parse.unquote(urllib.parse.urlsplit(amqp_url).path.lstrip("/"))
+    listed = subprocess.run(
+        ["rabbitmqctl", "-q", "list_connections", "pid", "vhost", "client_properties"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    closed = 0
+    for line in listed.splitlines():
+        fields = line.split("\t")
+        if len(fields) >= 3 and fields[1] == vhost and f'"{name}"' in fields[2]:
+            subprocess.run(
+                ["rabbitmqctl", "-q", "close_connection", fields[0], "closed by a test"],
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
+            closed += 1
+    return closed
+
+
+async def test_replies_go_on_after_the_broker_closes_the_replies_connection(
+    dispatcher: Stack, amqp_url: str
+) -> None:
+    """The connection cronbus checks reply queues on is closed by the broker between two
+    commands: the next commands are still answered (no `internal`), on an exclusive queue
+    and on direct reply-to."""
+    connection = await aio_pika.connect_robust(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        replies = await channel.declare_queue(exclusive=True)
+        assert (await ask(channel, replies, upsert("before")))["ok"] is True
+        closed = await asyncio.to_thread(
+            close_connections_named, amqp_url, "cronbus-dispatcher-replies"
+        )
+        assert closed == 1
+        for n in range(3):
+            reply = await ask(channel, replies, upsert(f"after-{n}"), timeout_s=15)
+            assert reply["ok"] is True, reply
+        direct = await channel.declare_queue(keys.DIRECT_REPLY_TO, passive=True)
+        assert (await ask(channel, direct, upsert("direct"), timeout_s=15))["ok"] is True
+    assert "command_internal_error" not in dispatcher.tails()
