@@ -334,3 +334,43 @@ async def test_replies_go_on_after_the_broker_closes_the_replies_connection(
         direct = await channel.declare_queue(keys.DIRECT_REPLY_TO, passive=True)
         assert (await ask(channel, direct, upsert("direct"), timeout_s=15))["ok"] is True
     assert "command_internal_error" not in dispatcher.tails()
+
+
+async def test_tokens_the_broker_cannot_place_cost_no_one_else_s_reply(
+    dispatcher: Stack, amqp_url: str
+) -> None:
+    """Unplaceable tokens sent among other commands answered by direct reply-to: each closes
+    the replies connection, yet every other direct reply arrives."""
+    node = b"reply@1"
+    pid = b"\x83Xv" + struct.pack(">H", len(node)) + node + struct.pack(">III", 1, 2, 3)
+    token = f"{keys.DIRECT_REPLY_TO}.{base64.b64encode(pid).decode()}.{'A' * 22}=="
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        got: set[str] = set()
+
+        async def on_reply(message: AbstractIncomingMessage) -> None:
+            got.add(str(message.correlation_id))
+
+        direct = await channel.declare_queue(keys.DIRECT_REPLY_TO, passive=True)
+        await direct.consume(on_reply, no_ack=True)
+        commands = await channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
+        wanted: set[str] = set()
+        for n in range(15):
+            unplaceable = n % 3 == 0
+            if not unplaceable:
+                wanted.add(f"c-{n}")
+            await commands.publish(
+                aio_pika.Message(
+                    upsert(f"mixed-{n}"),
+                    reply_to=token if unplaceable else keys.DIRECT_REPLY_TO,
+                    correlation_id=f"c-{n}",
+                ),
+                routing_key="acme.upsert",
+            )
+        for _ in range(300):
+            if wanted <= got:
+                break
+            await asyncio.sleep(0.1)
+        assert wanted - got == set(), dispatcher.tails()
+    assert await refused_count(dispatcher) == 5

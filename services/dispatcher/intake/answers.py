@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiormq
+import aiormq.abc
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel
 
@@ -162,27 +163,37 @@ class Answers:
         # Straight to the protocol channel: aio-pika's Message and Exchange layers cost more
         # per reply than the publish itself. Direct reply-to on the replies connection: the
         # broker closes the connection that publishes to a token it cannot place.
-        direct = replies.shape_of(meta.reply_to).route is Route.DIRECT
-        if direct:
-            channel = await self.reply_queues.direct_reply_channel()
-        else:
+        if replies.shape_of(meta.reply_to).route is not Route.DIRECT:
             channel = await self.channel.get_underlay_channel()
-        try:
-            await channel.basic_publish(
-                codec.dumps(reply),
-                exchange="",
-                routing_key=meta.reply_to,
-                properties=aiormq.spec.Basic.Properties(
-                    content_type="application/json", correlation_id=meta.correlation_id
-                ),
-            )
-        except aiormq.exceptions.ConnectionInternalError:
-            if not direct:
-                raise
-            # A token of the broker's shape naming a node it does not know: trying again would
-            # close the replies connection again. The command was applied; its reply is lost.
-            metrics.REPLY_TO_REFUSED.inc()
-            log.warning(
-                "the broker could not place a direct reply-to token",
-                extra={"action": "reply_to_unplaceable", "reply_to": meta.reply_to[:255]},
-            )
+            await self._publish(channel, meta, reply)
+            return
+        # One direct reply at a time, each confirmed: a token that makes the broker close the
+        # connection then fails alone. Published side by side, the replies in flight with it
+        # were lost with the connection (36 of 40 in tests/e2e/test_reply_queues.py).
+        async with self.reply_queues.direct_publishing:
+            channel = await self.reply_queues.direct_reply_channel()
+            try:
+                await self._publish(channel, meta, reply)
+            except aiormq.exceptions.ConnectionInternalError:
+                self._unplaceable(meta.reply_to)
+
+    async def _publish(
+        self, channel: aiormq.abc.AbstractChannel, meta: Meta, reply: dict[str, Any]
+    ) -> None:
+        await channel.basic_publish(
+            codec.dumps(reply),
+            exchange="",
+            routing_key=meta.reply_to or "",
+            properties=aiormq.spec.Basic.Properties(
+                content_type="application/json", correlation_id=meta.correlation_id
+            ),
+        )
+
+    def _unplaceable(self, reply_to: str) -> None:
+        # A token of the broker's shape naming a node it does not know: trying again would
+        # close the replies connection again. The command was applied; its reply is lost.
+        metrics.REPLY_TO_REFUSED.inc()
+        log.warning(
+            "the broker could not place a direct reply-to token",
+            extra={"action": "reply_to_unplaceable", "reply_to": reply_to[:255]},
+        )

@@ -50,6 +50,8 @@ class ReplyQueues:
         self._connecting = asyncio.Lock()
         self._asking: dict[str, asyncio.Future[BrokerAnswer]] = {}
         self._publisher: aiormq.abc.AbstractChannel | None = None
+        #: Held while a direct reply is published and confirmed (``Answers.answer``).
+        self.direct_publishing = asyncio.Lock()
 
     async def close(self) -> None:
         if self._connection is not None:
