@@ -31,7 +31,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final
 
+from pamqp.constants import DOMAIN_REGEX
+
 from shared.contract import keys
+
+#: The queue names an AMQP client (pamqp, under aio-pika) can declare: cronbus checks a
+#: queue with a passive declare, so a name outside these characters cannot be checked.
+QUEUE_NAME_CHARACTERS: Final = "letters, digits and - _ . : @ # , / + or space"
 
 #: How long the broker's word on a queue is kept: an answerable queue stays so while its
 #: connection lives (10 s of it is little risk); a refused name may be declared a moment later.
@@ -105,6 +111,8 @@ def name_problem(name: str) -> str:
         return "is not UTF-8"
     if size > MAX_NAME_BYTES:
         return f"is longer than {MAX_NAME_BYTES} bytes"
+    if not DOMAIN_REGEX["queue-name"].fullmatch(name):
+        return f"may hold only {QUEUE_NAME_CHARACTERS}"
     return ""
 
 

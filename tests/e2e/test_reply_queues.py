@@ -7,7 +7,9 @@ import asyncio
 import base64
 import re
 import struct
+import subprocess
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -134,7 +136,13 @@ async def test_a_queue_others_consume_is_never_written_into(
         victim = await victim_channel.declare_queue("billing.inbox", durable=True)
         channel = await attacker.channel()
         commands = await channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
-        hostile = ["billing.inbox", "no.such.queue", "amq.rabbitmq.reply-to.a.b"]
+        hostile = [
+            "billing.inbox",
+            "no.such.queue",
+            "amq.rabbitmq.reply-to.a.b",
+            "amq_\u00e9t\u00e9",  # a name AMQP clients cannot declare, passively or not
+            "q!",
+        ]
         for n, reply_to in enumerate(hostile):
             await commands.publish(
                 aio_pika.Message(upsert(f"hostile-{n}"), reply_to=reply_to, correlation_id="c"),
@@ -250,3 +258,119 @@ async def test_a_token_the_broker_cannot_place_costs_its_own_reply_only(
         direct = await channel.declare_queue(keys.DIRECT_REPLY_TO, passive=True)
         assert (await ask(channel, direct, upsert("direct"), timeout_s=10))["ok"] is True
     assert "reply_to_unplaceable" in dispatcher.tails()
+
+
+async def test_a_queue_declared_durable_after_its_exclusive_owner_left_is_never_written_into(
+    dispatcher: Stack, amqp_url: str
+) -> None:
+    """The broker's word is kept a while, but a reply is published only where the broker still
+    says, at that moment, that the queue is exclusive: an exclusive queue answered once, its
+    owner gone, and a durable queue of the same name declared by another tenant at once gets
+    no reply (the command is dead-lettered with why and counted)."""
+    name = f"acme.replies.{uuid.uuid4().hex}"
+    first = await aio_pika.connect(amqp_url)
+    async with first:
+        channel = await first.channel()
+        owned = await channel.declare_queue(name, exclusive=True)
+        assert (await ask(channel, owned, upsert("while-owned")))["ok"] is True
+    victim_connection = await aio_pika.connect(amqp_url)
+    attacker = await aio_pika.connect(amqp_url)
+    async with victim_connection, attacker:
+        victim = await (await victim_connection.channel()).declare_queue(name, durable=True)
+        channel = await attacker.channel()
+        commands = await channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
+        await commands.publish(
+            aio_pika.Message(upsert("after-owner-left"), reply_to=name, correlation_id="c-l"),
+            routing_key="acme.upsert",
+        )
+        reasons = await dead_reasons(channel, 1)
+        assert len(reasons) == 1 and f"reply_to {name!r}" in reasons[0], reasons
+        assert await victim.get(fail=False) is None
+        assert await refused_count(dispatcher) == 1
+
+
+def close_connections_named(amqp_url: str, name: str) -> int:
+    """Have the broker close this vhost's connections named ``name`` (how many it closed)."""
+    vhost = urllib.parse.unquote(urllib.parse.urlsplit(amqp_url).path.lstrip("/"))
+    listed = subprocess.run(
+        ["rabbitmqctl", "-q", "list_connections", "pid", "vhost", "client_properties"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    closed = 0
+    for line in listed.splitlines():
+        fields = line.split("\t")
+        if len(fields) >= 3 and fields[1] == vhost and f'"{name}"' in fields[2]:
+            subprocess.run(
+                ["rabbitmqctl", "-q", "close_connection", fields[0], "closed by a test"],
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
+            closed += 1
+    return closed
+
+
+async def test_replies_go_on_after_the_broker_closes_the_replies_connection(
+    dispatcher: Stack, amqp_url: str
+) -> None:
+    """The connection cronbus checks reply queues on is closed by the broker between two
+    commands: the next commands are still answered (no `internal`), on an exclusive queue
+    and on direct reply-to."""
+    connection = await aio_pika.connect_robust(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        replies = await channel.declare_queue(exclusive=True)
+        assert (await ask(channel, replies, upsert("before")))["ok"] is True
+        closed = await asyncio.to_thread(
+            close_connections_named, amqp_url, "cronbus-dispatcher-replies"
+        )
+        assert closed == 1
+        for n in range(3):
+            reply = await ask(channel, replies, upsert(f"after-{n}"), timeout_s=15)
+            assert reply["ok"] is True, reply
+        direct = await channel.declare_queue(keys.DIRECT_REPLY_TO, passive=True)
+        assert (await ask(channel, direct, upsert("direct"), timeout_s=15))["ok"] is True
+    assert "command_internal_error" not in dispatcher.tails()
+
+
+async def test_tokens_the_broker_cannot_place_cost_no_one_else_s_reply(
+    dispatcher: Stack, amqp_url: str
+) -> None:
+    """Unplaceable tokens sent among other commands answered by direct reply-to: each closes
+    the replies connection, yet every other direct reply arrives."""
+    node = b"reply@1"
+    pid = b"\x83Xv" + struct.pack(">H", len(node)) + node + struct.pack(">III", 1, 2, 3)
+    token = f"{keys.DIRECT_REPLY_TO}.{base64.b64encode(pid).decode()}.{'A' * 22}=="
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        got: set[str] = set()
+
+        async def on_reply(message: AbstractIncomingMessage) -> None:
+            got.add(str(message.correlation_id))
+
+        direct = await channel.declare_queue(keys.DIRECT_REPLY_TO, passive=True)
+        await direct.consume(on_reply, no_ack=True)
+        commands = await channel.get_exchange(keys.COMMANDS_EXCHANGE, ensure=False)
+        wanted: set[str] = set()
+        for n in range(15):
+            unplaceable = n % 3 == 0
+            if not unplaceable:
+                wanted.add(f"c-{n}")
+            await commands.publish(
+                aio_pika.Message(
+                    upsert(f"mixed-{n}"),
+                    reply_to=token if unplaceable else keys.DIRECT_REPLY_TO,
+                    correlation_id=f"c-{n}",
+                ),
+                routing_key="acme.upsert",
+            )
+        for _ in range(300):
+            if wanted <= got:
+                break
+            await asyncio.sleep(0.1)
+        assert wanted - got == set(), dispatcher.tails()
+    assert await refused_count(dispatcher) == 5

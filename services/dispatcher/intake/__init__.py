@@ -97,7 +97,7 @@ class Intake:
             reply = await self._apply(received)
             if reply is not None:
                 await transient.retry(
-                    lambda: self.answers.answer(received.meta, reply),
+                    lambda: self.answers.reply(received, reply),
                     what="command reply",
                     stopping=self.stopping,
                 )

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiormq
+import aiormq.abc
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel
 
@@ -115,14 +116,21 @@ class Answers:
             lambda: self.store.record_command(audit_of(received, "internal", error)),
             lambda: self.dead_letter(received, "internal: the error is in the dispatcher's log"),
         ]
-        # Answered only where it was checked before the failure (a fresh verdict is cached).
+        # Answered only where it was checked before the failure, and still may be.
         if received.meta.reply_to and self._checked(received.meta.reply_to):
-            steps.append(lambda: self.answer(received.meta, {"ok": False, "error": error}))
+            steps.append(lambda: self._answer_if_answerable(received.meta, error))
         for step in steps:
             try:
                 await asyncio.wait_for(step(), FAIL_SAFE_TIMEOUT_S)
             except Exception:
                 log.exception("could not report a failed command", extra={"action": "internal"})
+
+    async def _answer_if_answerable(self, meta: Meta, error: dict[str, Any]) -> None:
+        reply_to = meta.reply_to or ""
+        checked = replies.shape_of(reply_to).route is Route.CHECK if reply_to else False
+        if checked and not (await self.reply_queues.still_answerable(reply_to)).answer:
+            return  # dead-lettered anyway
+        await self.answer(meta, {"ok": False, "error": error})
 
     def _checked(self, reply_to: str) -> bool:
         route = replies.shape_of(reply_to).route
@@ -131,33 +139,61 @@ class Answers:
             return verdict is not None and verdict.answer
         return route is not Route.REFUSED
 
+    async def reply(self, received: Received, reply: dict[str, Any]) -> None:
+        """Answer an applied command, where the broker says right now that a reply may go: a
+        kept verdict is not enough to write into a queue (its owner may have left, and another
+        tenant may have declared that name since). Else the command is dead-lettered."""
+        meta = received.meta
+        if meta.reply_to and replies.shape_of(meta.reply_to).route is Route.CHECK:
+            verdict = await self.reply_queues.still_answerable(meta.reply_to)
+            if not verdict.answer:
+                metrics.REPLY_TO_REFUSED.inc()
+                log.warning(
+                    "reply queue no longer exclusive: the applied command is not answered",
+                    extra={"action": "reply_to_gone", "reply_to": meta.reply_to[:255]},
+                )
+                reason = replies.refusal_reason(meta.reply_to, verdict.reason)
+                await self.dead_letter(received, f"invalid_command: {reason} (it was applied)")
+                return
+        await self.answer(meta, reply)
+
     async def answer(self, meta: Meta, reply: dict[str, Any]) -> None:
         if not meta.reply_to:
             return
         # Straight to the protocol channel: aio-pika's Message and Exchange layers cost more
         # per reply than the publish itself. Direct reply-to on the replies connection: the
         # broker closes the connection that publishes to a token it cannot place.
-        direct = replies.shape_of(meta.reply_to).route is Route.DIRECT
-        if direct:
-            channel = await self.reply_queues.direct_reply_channel()
-        else:
+        if replies.shape_of(meta.reply_to).route is not Route.DIRECT:
             channel = await self.channel.get_underlay_channel()
-        try:
-            await channel.basic_publish(
-                codec.dumps(reply),
-                exchange="",
-                routing_key=meta.reply_to,
-                properties=aiormq.spec.Basic.Properties(
-                    content_type="application/json", correlation_id=meta.correlation_id
-                ),
-            )
-        except aiormq.exceptions.ConnectionInternalError:
-            if not direct:
-                raise
-            # A token of the broker's shape naming a node it does not know: trying again would
-            # close the replies connection again. The command was applied; its reply is lost.
-            metrics.REPLY_TO_REFUSED.inc()
-            log.warning(
-                "the broker could not place a direct reply-to token",
-                extra={"action": "reply_to_unplaceable", "reply_to": meta.reply_to[:255]},
-            )
+            await self._publish(channel, meta, reply)
+            return
+        # One direct reply at a time, each confirmed: a token that makes the broker close the
+        # connection then fails alone. Published side by side, the replies in flight with it
+        # were lost with the connection (36 of 40 in tests/e2e/test_reply_queues.py).
+        async with self.reply_queues.direct_publishing:
+            channel = await self.reply_queues.direct_reply_channel()
+            try:
+                await self._publish(channel, meta, reply)
+            except aiormq.exceptions.ConnectionInternalError:
+                self._unplaceable(meta.reply_to)
+
+    async def _publish(
+        self, channel: aiormq.abc.AbstractChannel, meta: Meta, reply: dict[str, Any]
+    ) -> None:
+        await channel.basic_publish(
+            codec.dumps(reply),
+            exchange="",
+            routing_key=meta.reply_to or "",
+            properties=aiormq.spec.Basic.Properties(
+                content_type="application/json", correlation_id=meta.correlation_id
+            ),
+        )
+
+    def _unplaceable(self, reply_to: str) -> None:
+        # A token of the broker's shape naming a node it does not know: trying again would
+        # close the replies connection again. The command was applied; its reply is lost.
+        metrics.REPLY_TO_REFUSED.inc()
+        log.warning(
+            "the broker could not place a direct reply-to token",
+            extra={"action": "reply_to_unplaceable", "reply_to": reply_to[:255]},
+        )

@@ -50,6 +50,8 @@ class ReplyQueues:
         self._connecting = asyncio.Lock()
         self._asking: dict[str, asyncio.Future[BrokerAnswer]] = {}
         self._publisher: aiormq.abc.AbstractChannel | None = None
+        #: Held while a direct reply is published and confirmed (``Answers.answer``).
+        self.direct_publishing = asyncio.Lock()
 
     async def close(self) -> None:
         if self._connection is not None:
@@ -74,6 +76,14 @@ class ReplyQueues:
             verdict = self.cache.put(reply_to, *replies.verdict_of(answer), self.clock())
         if not verdict.answer:
             raise refused(reply_to, verdict.reason)
+
+    async def still_answerable(self, reply_to: str) -> replies.Verdict:
+        """The broker's word on ``reply_to`` now, kept verdict or not (a reply is about to be
+        published there): the queue answered a moment ago may have lost its exclusive owner,
+        and another tenant may have declared a queue of the same name since. Concurrent
+        replies to one queue share one question."""
+        answer = await self._asked(reply_to)
+        return self.cache.put(reply_to, *replies.verdict_of(answer), self.clock())
 
     async def direct_reply_channel(self) -> aiormq.abc.AbstractChannel:
         """The channel answers to direct reply-to are published on."""

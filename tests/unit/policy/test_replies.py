@@ -115,3 +115,22 @@ def test_the_least_recently_used_name_goes_first() -> None:
     cache.get("a", 1.0)
     cache.put("c", True, "", 0.0)
     assert cache.get("a", 1.0) is not None and cache.get("b", 1.0) is None
+
+
+@given(st.text(min_size=1, max_size=40))
+def test_a_name_cronbus_cannot_check_is_refused_never_asked_about(name: str) -> None:
+    """The check is a passive declare: a name the AMQP client cannot declare (pamqp takes
+    only these characters) is refused by its shape, never an error inside the intake."""
+    checkable = all(c.isascii() and (c.isalnum() or c in "-_.:@#,/+ ") for c in name)
+    shape = replies.shape_of("acme." + name)
+    if checkable:
+        assert shape.route is Route.CHECK
+    else:
+        assert shape.route is Route.REFUSED and shape.reason
+
+
+def test_names_with_accents_or_punctuation_are_refused_with_the_characters_allowed() -> None:
+    for name in ("amq_\u00e9t\u00e9", "q!", "q*", "q=", "acme.r\u00e9ponses"):
+        shape = replies.shape_of(name)
+        assert shape.route is Route.REFUSED
+        assert "letters, digits" in shape.reason
