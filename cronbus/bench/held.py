@@ -1,7 +1,7 @@
 """``cronbus bench held``: N occurrences held behind a dead target, and what holding them costs.
 
 N interval schedules are all first due at one instant on a webhook target that fails every
-time: the bench's sink answering 404 (``--target 404``), or a loopback port nobody listens on
+time: the bench's sink answering 503 (``--target 503``), or a loopback port nobody listens on
 (``--target refused``). The target's circuit breaker opens after the first failures, and from
 then on the occurrences wait behind it. For ``--duration`` seconds from the due instant, the
 figures are: the CPU of each executor as a percentage of one core (from ``/proc/<pid>/stat``,
@@ -201,7 +201,7 @@ async def _measured(
 def run(args: argparse.Namespace) -> int:
     if args.n < 1 or args.duration <= 0:
         raise SystemExit("cronbus bench held: --n must be >= 1 and --duration > 0")
-    sink = Sink(respond=lambda _: 404, keep=True)
+    sink = Sink(respond=lambda _: 503, keep=True)
     return harness.report(args, harness.with_services(args, _measured, own_sink=sink))
 
 
@@ -213,9 +213,10 @@ def add_kind(kinds: Kinds) -> argparse.ArgumentParser:
     )
     held.add_argument(
         "--target",
-        choices=("404", "refused"),
-        default="404",
-        help="the target answers 404, or refuses the connection (nothing listens)",
+        choices=("503", "refused"),
+        default="503",
+        # A 4xx says nothing about the host's health and no longer opens the breaker (issue 26).
+        help="the target answers 503, or refuses the connection (nothing listens)",
     )
     held.add_argument(
         "--allow-overlap",
