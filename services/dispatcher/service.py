@@ -142,6 +142,11 @@ class DispatcherService(ServiceBase):
                 await asyncio.wait_for(self._reply_queues.close(), 1)
 
 
+#: RuntimeError: under uvloop, redis-py's pub/sub reconnect can write to the transport the
+#: dead server closed ("the handler is closed").
+_LISTENER_ERRORS: tuple[type[BaseException], ...] = (*transient.ERRORS, RuntimeError)
+
+
 async def _listen_for_wakes(
     client: aioredis.Redis, channel: str, dispatcher: Dispatcher, stopping: asyncio.Event
 ) -> None:
@@ -157,5 +162,11 @@ async def _listen_for_wakes(
                     if message and message.get("type") == "message":
                         with contextlib.suppress(ValueError):
                             dispatcher.wake(int(message["data"]))
-        except transient.ERRORS:
-            await asyncio.sleep(1.0)
+        except _LISTENER_ERRORS as exc:
+            # Wake-ups are only a shortcut (claims poll anyway): listen again rather than
+            # stop the dispatcher.
+            log.warning(
+                "wake-up listener reconnects",
+                extra={"action": "wake_listener_wait", "error": repr(exc)},
+            )
+            await transient.pause(1.0, stopping)
