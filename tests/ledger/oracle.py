@@ -28,7 +28,9 @@ a backlog: one of them must be delivered (a stretch with none is one *lost* catc
 
 Fixed-delay (``after_completion``) schedules have no nominal grid; their chain is checked
 instead: each occurrence is due no sooner than ``delay`` after its predecessor's last answer
-(sooner is *unexpected*), and a chain that stops while the schedule is active is *lost*.
+(sooner is *unexpected*), and a chain that stops while the schedule is active is *lost*,
+unless a delete was sent before its next occurrence had its chance (as for a grid time: its
+due time, or the end of the fault or backlog under way then, plus the slack).
 """
 
 from __future__ import annotations
@@ -835,8 +837,15 @@ def _judge_chain(
     next_due = earliest if previous_end is None else int(previous_end) + delay
     if _chain_finished(plan, next_due, fired):
         return
-    stops = timeline.deleted[0] if timeline.deleted is not None else math.inf
-    if next_due + CHAIN_SLACK_MS < min(ctx.horizon_ms, stops):
+    if next_due + CHAIN_SLACK_MS >= ctx.horizon_ms:
+        return
+    # As for a grid time (``classify``): a delete sent before the next occurrence had its
+    # chance (its due time, or the end of the fault or backlog under way then, plus the slack)
+    # may keep it from firing. A dead dispatcher's shards wait for its leases to expire, so
+    # what comes due meanwhile is late, and a delete may remove it first.
+    disturbed_until = ctx.disturbed_until(next_due, timeline.url)
+    chance_until = (disturbed_until if disturbed_until is not None else next_due) + CHAIN_SLACK_MS
+    if timeline.deleted is None or timeline.deleted[0] > chance_until:
         row = verdict.row(label, ctx.fault_of(next_due, timeline.url))
         row.expected += 1
         row.lost += 1

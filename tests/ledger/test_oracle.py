@@ -269,6 +269,27 @@ def test_after_completion_chain() -> None:
     assert oracle.judge([t], good, [], T0 + 10_000).total("lost") == 1
 
 
+def test_a_delete_during_a_fault_may_end_a_chain_before_its_next_occurrence() -> None:
+    """Seed 21933 (short profile): the only dispatcher was killed 0.9 s after a fixed-delay
+    occurrence ended; its successor took the shards over after the dead one's leases expired
+    (no claim at all for 6.3 s), and a delete sent 3.8 s after the next occurrence's due time
+    removed it from the index first. Late, then legitimately deleted: as for a grid time, a
+    delete sent before the fault was over (plus the settling time) may keep it from firing."""
+    p = plan({"kind": "after_completion", "delay_s": 2, "start_at": timefmt.format_ms(T0)})
+    ran = [request(T0, T0 + 5)]
+    next_due = T0 + 5 + SLACK + 2000
+    fault = oracle.Fault("kill9-dispatcher", T0 + 900, T0 + 3800)
+    horizon = T0 + 60_000
+    cut = timeline(p, deleted=(next_due + 3800, next_due + 3830))
+    verdict = oracle.judge([cut], ran, [fault], horizon)
+    assert verdict.total("lost") == 0, verdict.findings
+    # Calm at its due time, a delete sent well after it: the chain had stopped.
+    assert oracle.judge([cut], ran, [], horizon).total("lost") == 1
+    # The delete sent long after the fault and its settling: the chain had stopped.
+    late = timeline(p, deleted=(T0 + 30_000, T0 + 30_030))
+    assert oracle.judge([late], ran, [fault], horizon).total("lost") == 1
+
+
 def test_triggers() -> None:
     p = plan(EVERY_2S)
     trig = oracle.Trigger(
