@@ -17,6 +17,7 @@ import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+from cronbus.cli.sink import Sink  # noqa: E402
 from shared.contract import keys  # noqa: E402
 from shared.postgres import db  # noqa: E402
 from shared.redis.index import Index  # noqa: E402
@@ -29,6 +30,15 @@ SHARDS = 4
 # then reported as a flaky test. Where time matters, the tests bound it themselves.
 settings.register_profile("cronbus", deadline=None)
 settings.load_profile("cronbus")
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[Sink]:
+    """A local HTTP sink that records every delivery."""
+    found = Sink()
+    await found.start()
+    yield found
+    await found.stop()
 
 
 @pytest.fixture(scope="session")

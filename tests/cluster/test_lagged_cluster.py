@@ -9,14 +9,13 @@ node timeout: the replica is promoted all the same, see tests/support/cluster.py
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cronbus.cli.sink import Sink
-from shared.policy import netpolicy
-from tests.support import cluster, services
+from tests.support import cluster, failover, services
 from tests.support.failover import run_lag_case
 
 pytestmark = [pytest.mark.cluster, pytest.mark.failover, pytest.mark.timeout(180)]
@@ -30,14 +29,6 @@ def replicated() -> Iterator[cluster.Cluster]:
         yield found
 
 
-@pytest.fixture
-async def sink() -> AsyncIterator[Sink]:
-    found = Sink()
-    await found.start()
-    yield found
-    await found.stop()
-
-
 @pytest.mark.parametrize("lag_s", [0.1, SWEEP_INTERVAL_S + 1.0], ids=lambda s: f"lag-{s:g}s")
 async def test_a_lagging_cluster_replica_promoted_undoes_no_answered_command(
     lag_s: float,
@@ -47,19 +38,14 @@ async def test_a_lagging_cluster_replica_promoted_undoes_no_answered_command(
     database_url: str,
     tmp_path: Path,
 ) -> None:
-    env = {
-        "CRONBUS_REDIS_URL": replicated.url,
-        "CRONBUS_REDIS_CLUSTER": "true",
-        "CRONBUS_REDIS_PREFIX": services.unique("lagc"),
-        "CRONBUS_AMQP_URL": amqp_url,
-        "CRONBUS_DATABASE_URL": database_url,
-        "CRONBUS_SHARDS": "16",
-        "CRONBUS_LEASE_S": "3",
-        "CRONBUS_SWEEP_INTERVAL_S": str(SWEEP_INTERVAL_S),
-        "CRONBUS_SHUTDOWN_GRACE_S": "5",
-        "CRONBUS_EVENTS": "none",
-        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
-    }
+    env = failover.services_env(
+        replicated.settings,
+        services.unique("lagc"),
+        amqp_url,
+        database_url,
+        shards=16,
+        sweep_interval_s=SWEEP_INTERVAL_S,
+    )
     namespace = services.unique("ns").lower()
     figures = await run_lag_case(replicated, env, amqp_url, sink, tmp_path, lag_s, namespace)
     print(figures.line("cluster"))

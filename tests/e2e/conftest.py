@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from cronbus.cli.sink import Sink
 from shared.policy import netpolicy
 from tests.support import services
 from tests.support.commands import CommandClient
@@ -44,14 +43,6 @@ def stack(
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
         print(found.tails())
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[Sink]:
-    found = Sink()
-    await found.start()
-    yield found
-    await found.stop()
 
 
 @pytest.fixture

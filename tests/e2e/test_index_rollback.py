@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import pytest
@@ -306,7 +306,8 @@ async def _members_of(
     scratch = f"{prefix}:test-scratch"
     await client.restore(scratch, 0, dump)
     try:
-        return list(await client.zrange(scratch, 0, -1, withscores=True))
+        # Without decode_responses, members come back as bytes.
+        return cast(list[tuple[bytes, float]], await client.zrange(scratch, 0, -1, withscores=True))
     finally:
         await client.delete(scratch)
 

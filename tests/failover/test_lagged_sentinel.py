@@ -8,14 +8,13 @@ Lags: 0.1 s, 1 s, and 3 s (longer than the sweep interval of 2 s set here)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cronbus.cli.sink import Sink
-from shared.policy import netpolicy
-from tests.support import sentinel, services
+from tests.support import failover, sentinel, services
 from tests.support.failover import run_lag_case
 
 pytestmark = [pytest.mark.failover, pytest.mark.timeout(150)]
@@ -29,14 +28,6 @@ def group() -> Iterator[sentinel.SentinelGroup]:
         yield found
 
 
-@pytest.fixture
-async def sink() -> AsyncIterator[Sink]:
-    found = Sink()
-    await found.start()
-    yield found
-    await found.stop()
-
-
 @pytest.mark.parametrize("lag_s", [0.1, 1.0, SWEEP_INTERVAL_S + 1.0], ids=lambda s: f"lag-{s:g}s")
 async def test_a_lagging_replica_promoted_undoes_no_answered_command(
     lag_s: float,
@@ -46,20 +37,14 @@ async def test_a_lagging_replica_promoted_undoes_no_answered_command(
     database_url: str,
     tmp_path: Path,
 ) -> None:
-    env = {
-        "CRONBUS_REDIS_URL": group.url,
-        "CRONBUS_REDIS_SENTINELS": group.setting,
-        "CRONBUS_REDIS_SENTINEL_MASTER": sentinel.MASTER,
-        "CRONBUS_REDIS_PREFIX": services.unique("lag"),
-        "CRONBUS_AMQP_URL": amqp_url,
-        "CRONBUS_DATABASE_URL": database_url,
-        "CRONBUS_SHARDS": "4",
-        "CRONBUS_LEASE_S": "3",
-        "CRONBUS_SWEEP_INTERVAL_S": str(SWEEP_INTERVAL_S),
-        "CRONBUS_SHUTDOWN_GRACE_S": "5",
-        "CRONBUS_EVENTS": "none",
-        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
-    }
+    env = failover.services_env(
+        group.settings,
+        services.unique("lag"),
+        amqp_url,
+        database_url,
+        shards=4,
+        sweep_interval_s=SWEEP_INTERVAL_S,
+    )
     namespace = services.unique("ns").lower()
     figures = await run_lag_case(group, env, amqp_url, sink, tmp_path, lag_s, namespace)
     print(figures.line("sentinel"))

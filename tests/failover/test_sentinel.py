@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,13 +19,12 @@ from redis import exceptions as redis_errors
 from cronbus.cli.sink import Sink
 from shared.contract import keys
 from shared.contract.entries import Upsert
-from shared.policy import netpolicy
 from shared.redis import connection
 from shared.redis.index import Index
 from shared.rules import compact
 from shared.rules.plan import IntervalRule, Plan, WebhookPlan
 from shared.runtime.config import CommonSettings
-from tests.support import sentinel, services
+from tests.support import failover, sentinel, services
 from tests.support.commands import CommandClient
 from tests.support.failover import Workload
 from tests.support.stack import Stack
@@ -128,14 +127,6 @@ class Commands:
                 await asyncio.wait_for(stop.wait(), 0.2)
 
 
-@pytest.fixture
-async def sink() -> AsyncIterator[Sink]:
-    found = Sink()
-    await found.start()
-    yield found
-    await found.stop()
-
-
 async def test_the_services_follow_a_failover_and_lose_nothing(
     group: sentinel.SentinelGroup,
     sink: Sink,
@@ -143,20 +134,14 @@ async def test_the_services_follow_a_failover_and_lose_nothing(
     database_url: str,
     tmp_path: Path,
 ) -> None:
-    env = {
-        "CRONBUS_REDIS_URL": group.url,
-        "CRONBUS_REDIS_SENTINELS": group.setting,
-        "CRONBUS_REDIS_SENTINEL_MASTER": sentinel.MASTER,
-        "CRONBUS_REDIS_PREFIX": services.unique("sen"),
-        "CRONBUS_AMQP_URL": amqp_url,
-        "CRONBUS_DATABASE_URL": database_url,
-        "CRONBUS_SHARDS": "4",
-        "CRONBUS_LEASE_S": "3",
-        "CRONBUS_SWEEP_INTERVAL_S": "1",
-        "CRONBUS_SHUTDOWN_GRACE_S": "5",
-        "CRONBUS_EVENTS": "none",
-        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
-    }
+    env = failover.services_env(
+        group.settings,
+        services.unique("sen"),
+        amqp_url,
+        database_url,
+        shards=4,
+        sweep_interval_s=1,
+    )
     stack = Stack(env, tmp_path)
     stop = asyncio.Event()
     try:

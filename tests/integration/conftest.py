@@ -9,7 +9,6 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractRobustConnection
 
-from cronbus.cli.sink import Sink
 from shared.postgres.store import Store
 from shared.rabbitmq import amqp
 
@@ -28,14 +27,6 @@ async def connection(amqp_url: str) -> AsyncIterator[AbstractRobustConnection]:
     await amqp.declare_topology(channel)
     yield found
     await found.close()
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[Sink]:
-    found = Sink()
-    await found.start()
-    yield found
-    await found.stop()
 
 
 async def no_wake(shard: int, fire_ms: int) -> None:

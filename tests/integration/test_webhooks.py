@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
-
-import pytest
 
 from cronbus.cli.sink import Sink
 from services.executor.http import HttpClient
@@ -15,14 +12,6 @@ from shared.contract.delivery import Occurrence
 from shared.policy import netpolicy
 from shared.rules import schedule
 from shared.rules.plan import IntervalRule, Plan, WebhookPlan
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[Sink]:
-    found = Sink()
-    await found.start()
-    yield found
-    await found.stop()
 
 
 def occurrence(url: str, **target: object) -> Occurrence:

@@ -83,6 +83,11 @@ class Cluster:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
+    @property
+    def settings(self) -> dict[str, str]:
+        """The services' Redis settings for this cluster."""
+        return {"CRONBUS_REDIS_URL": self.url, "CRONBUS_REDIS_CLUSTER": "true"}
+
     def flushall(self) -> None:
         for port in self.ports:
             subprocess.run(

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from cronbus.cli.sink import Sink
 from shared.contract import keys, timefmt
+from shared.policy import netpolicy
 from shared.rules import schedule
 from tests.support.commands import CommandClient
 from tests.support.stack import Stack
@@ -48,6 +49,31 @@ def firing_body(schedule_id: str, url: str, jitter_s: float = 0.0) -> dict[str, 
             "retry": {"max_attempts": 20, "initial_backoff_s": 0.2, "max_backoff_s": 1},
             "jitter_s": jitter_s,
         }
+    }
+
+
+def services_env(
+    redis: dict[str, str],
+    prefix: str,
+    amqp_url: str,
+    database_url: str,
+    *,
+    shards: int,
+    sweep_interval_s: float,
+) -> dict[str, str]:
+    """The services' settings for a failover test: short leases and sweeps, so a failover's
+    cost shows within the test; ``redis`` names the servers (Sentinel or Cluster)."""
+    return {
+        **redis,
+        "CRONBUS_REDIS_PREFIX": prefix,
+        "CRONBUS_AMQP_URL": amqp_url,
+        "CRONBUS_DATABASE_URL": database_url,
+        "CRONBUS_SHARDS": str(shards),
+        "CRONBUS_LEASE_S": "3",
+        "CRONBUS_SWEEP_INTERVAL_S": str(sweep_interval_s),
+        "CRONBUS_SHUTDOWN_GRACE_S": "5",
+        "CRONBUS_EVENTS": "none",
+        "CRONBUS_WEBHOOK_ALLOWED_NETWORKS": netpolicy.LOOPBACK_NETWORKS,
     }
 
 

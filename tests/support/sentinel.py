@@ -68,6 +68,15 @@ class SentinelGroup:
         here is nobody's, so a client that ignored Sentinel would fail at once."""
         return "redis://127.0.0.1:1/0"
 
+    @property
+    def settings(self) -> dict[str, str]:
+        """The services' Redis settings for this group."""
+        return {
+            "CRONBUS_REDIS_URL": self.url,
+            "CRONBUS_REDIS_SENTINELS": self.setting,
+            "CRONBUS_REDIS_SENTINEL_MASTER": MASTER,
+        }
+
     def primary_port(self) -> int | None:
         """The primary as the first Sentinel that answers names it."""
         for sentinel in self.sentinels:
