@@ -142,8 +142,10 @@ class DispatcherService(ServiceBase):
                 await asyncio.wait_for(self._reply_queues.close(), 1)
 
 
-#: RuntimeError: under uvloop, redis-py's pub/sub reconnect can write to the transport the
-#: dead server closed ("the handler is closed").
+#: RuntimeError: under uvloop, redis-py's pub/sub reconnect could write to the transport the
+#: dead server closed ("the handler is closed"). The connections now fail such a write as a
+#: ConnectionError (``shared.redis.connection``); wake-ups being only a shortcut, the listener
+#: still outlives any error of that kind a read may raise.
 _LISTENER_ERRORS: tuple[type[BaseException], ...] = (*transient.ERRORS, RuntimeError)
 
 

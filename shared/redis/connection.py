@@ -13,6 +13,8 @@ new primary. Scripts the new primary does not know are loaded again on NOSCRIPT
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,6 +23,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.runtime.config import CommonSettings
 
@@ -41,15 +44,53 @@ class _HiredisPacking:
         return [hiredis.pack_command(args)]
 
 
-class FastConnection(_HiredisPacking, aioredis.Connection):
+class _ClosedWritesFail:
+    """A write on a connection the server (or the network) closed fails as a ConnectionError.
+
+    redis-py 8 lets such a write leak the transport's own error: uvloop's RuntimeError ("the
+    handler is closed"), an AttributeError once the connection dropped its writer, CPython's
+    TypeError (redis/redis-py#4287). Those pass every retry (redis-py's and ours) and stopped
+    the services' background tasks during Redis failovers; a ConnectionError is waited out
+    like any outage. The transport's state decides, never the error's wording."""
+
+    _writer: asyncio.StreamWriter | None
+
+    async def _send_packed_command(self, command: Iterable[bytes]) -> None:
+        writer = self._writer
+        if writer is None or writer.transport is None or writer.transport.is_closing():
+            raise RedisConnectionError("Error while writing to socket: the connection is closed")
+        try:
+            writer.writelines(command)
+            await writer.drain()
+        except (AttributeError, RuntimeError, TypeError) as error:
+            if self._writer is writer and not writer.transport.is_closing():
+                raise
+            raise RedisConnectionError(
+                "Error while writing to socket: the connection closed meanwhile"
+            ) from error
+
+
+class SafeConnection(_ClosedWritesFail, aioredis.Connection):
+    """A plain connection (pub/sub and the tools' reads)."""
+
+
+class SafeSSLConnection(_ClosedWritesFail, SSLConnection):
+    """A TLS connection."""
+
+
+class FastConnection(_HiredisPacking, SafeConnection):
     """A plain connection with hiredis packing."""
 
 
-class FastSentinelConnection(_HiredisPacking, SentinelManagedConnection):
+class FastSentinelConnection(_HiredisPacking, _ClosedWritesFail, SentinelManagedConnection):
     """A connection to the primary Sentinel names, with hiredis packing."""
 
 
-class SentinelSSLConnection(SentinelManagedConnection, SSLConnection):
+class SafeSentinelConnection(_ClosedWritesFail, SentinelManagedConnection):
+    """A connection to the primary Sentinel names (pub/sub and the tools' reads)."""
+
+
+class SentinelSSLConnection(_ClosedWritesFail, SentinelManagedConnection, SSLConnection):
     """A TLS connection to the primary Sentinel names."""
 
 
@@ -88,7 +129,20 @@ def connect(settings: CommonSettings) -> RedisClient:
     options["connection_class"] = FastConnection  # the URL's scheme wins (rediss: TLS)
     if settings.redis_cluster:
         return RedisCluster.from_url(settings.redis_url, **options)
-    return aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)
+    return _closed_writes_fail(
+        aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)
+    )
+
+
+def _closed_writes_fail(client: aioredis.Redis) -> aioredis.Redis:
+    """The client's connections, TLS ones included (a rediss:// URL picks redis-py's own
+    class over the one given), fail a write on a closed connection as a ConnectionError."""
+    pool = client.connection_pool
+    if pool.connection_class is SSLConnection:
+        pool.connection_class = SafeSSLConnection
+    elif pool.connection_class is aioredis.Connection:
+        pool.connection_class = SafeConnection
+    return client
 
 
 def connect_node(settings: CommonSettings) -> aioredis.Redis:
@@ -97,7 +151,7 @@ def connect_node(settings: CommonSettings) -> aioredis.Redis:
     options = {**_client_options(), **tls_options(settings)}
     if settings.redis_sentinel_master:
         return _sentinel_primary(settings, options, fast=False)
-    return aioredis.Redis.from_url(settings.redis_url, **options)
+    return _closed_writes_fail(aioredis.Redis.from_url(settings.redis_url, **options))
 
 
 def sentinel_url_options(url: str) -> dict[str, Any]:
@@ -130,7 +184,7 @@ def _sentinel_primary(
     if tls:
         connection_class: type[SentinelManagedConnection] = SentinelSSLConnection
     else:
-        connection_class = FastSentinelConnection if fast else SentinelManagedConnection
+        connection_class = FastSentinelConnection if fast else SafeSentinelConnection
     client: SentinelRedis = sentinel.master_for(
         settings.redis_sentinel_master,
         redis_class=SentinelRedis,
