@@ -128,7 +128,7 @@ def connect(settings: CommonSettings) -> RedisClient:
         return _sentinel_primary(settings, options, fast=True)
     options["connection_class"] = FastConnection  # the URL's scheme wins (rediss: TLS)
     if settings.redis_cluster:
-        return RedisCluster.from_url(settings.redis_url, **options)
+        return _cluster_closed_writes_fail(RedisCluster.from_url(settings.redis_url, **options))
     return _closed_writes_fail(
         aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)
     )
@@ -142,6 +142,19 @@ def _closed_writes_fail(client: aioredis.Redis) -> aioredis.Redis:
         pool.connection_class = SafeSSLConnection
     elif pool.connection_class is aioredis.Connection:
         pool.connection_class = SafeConnection
+    return client
+
+
+def _cluster_closed_writes_fail(client: RedisCluster) -> RedisCluster:
+    """The cluster's node connections fail a write on a closed connection as a
+    ConnectionError. RedisCluster takes no connection_class (its from_url drops the one
+    given): every node it learns of later copies the shared connection_kwargs, and the
+    startup nodes, made already, are told here."""
+    tls = client.connection_kwargs.get("connection_class") is SSLConnection
+    safe: type[aioredis.Connection] = SafeSSLConnection if tls else FastConnection
+    client.connection_kwargs["connection_class"] = safe
+    for node in client.nodes_manager.startup_nodes.values():
+        node.connection_class = safe
     return client
 
 
@@ -181,6 +194,8 @@ def _sentinel_primary(
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         settings.sentinel_addresses(), sentinel_kwargs=sentinel_options
     )
+    for asked in sentinel.sentinels:
+        _closed_writes_fail(asked)  # the Sentinels' own connections
     if tls:
         connection_class: type[SentinelManagedConnection] = SentinelSSLConnection
     else:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import uvloop
 from redis import exceptions as redis_errors
 
 from cronbus.cli.sink import Sink
@@ -189,3 +190,30 @@ async def test_the_services_follow_a_failover_and_lose_nothing(
     finally:
         stop.set()
         stack.stop_all()
+
+
+def test_a_sentinel_s_closed_connection_is_skipped(group: sentinel.SentinelGroup) -> None:
+    # The Sentinels' own connections: a write on one the Sentinel closed is a ConnectionError,
+    # which redis-py answers by asking the next Sentinel (uvloop's RuntimeError went through).
+    async def case() -> None:
+        client = connection.connect(sentinel_settings(group))
+        assert isinstance(client, connection.SentinelRedis)
+        assert client.sentinels is not None
+        try:
+            assert await client.ping()
+            pooled = [
+                conn
+                for asked in client.sentinels.sentinels
+                for conn in asked.connection_pool._available_connections
+            ]
+            pooled += client.connection_pool._available_connections
+            for conn in pooled:
+                assert conn._writer is not None
+                conn._writer.transport.close()
+            await asyncio.sleep(0.05)  # the loop tears the transports down
+            assert await client.ping()
+        finally:
+            await client.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(case())
