@@ -20,10 +20,12 @@ from urllib.parse import urlsplit
 
 import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import SSLConnection, parse_url
+from redis.asyncio.cluster import NodesManager, RedisCluster
+from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.runtime.config import CommonSettings
 
@@ -76,6 +78,10 @@ class SafeConnection(_ClosedWritesFail, aioredis.Connection):
 
 class SafeSSLConnection(_ClosedWritesFail, SSLConnection):
     """A TLS connection."""
+
+
+class SafeUnixConnection(_ClosedWritesFail, UnixDomainSocketConnection):
+    """A connection over a Unix socket (a unix:// URL)."""
 
 
 class FastConnection(_HiredisPacking, SafeConnection):
@@ -142,6 +148,8 @@ def _closed_writes_fail(client: aioredis.Redis) -> aioredis.Redis:
         pool.connection_class = SafeSSLConnection
     elif pool.connection_class is aioredis.Connection:
         pool.connection_class = SafeConnection
+    elif pool.connection_class is UnixDomainSocketConnection:
+        pool.connection_class = SafeUnixConnection
     return client
 
 
@@ -155,7 +163,45 @@ def _cluster_closed_writes_fail(client: RedisCluster) -> RedisCluster:
     client.connection_kwargs["connection_class"] = safe
     for node in client.nodes_manager.startup_nodes.values():
         node.connection_class = safe
+    _cluster_outages_as_connection_errors(client)
     return client
+
+
+def cluster_outage(error: RedisClusterException) -> bool:
+    """Whether redis-py's refresh of the cluster's layout failed because the cluster is away
+    for now: no node answered (the error is raised from a connection error), or some slots
+    have no primary (a failover under way; redis-py says so only in words). Other refusals
+    of that kind (a node not in cluster mode) are the operator's to fix."""
+    reached: BaseException | None = error.__cause__
+    if isinstance(reached, (RedisConnectionError, RedisTimeoutError, OSError)):
+        return True
+    return str(error).startswith("All slots are not covered")
+
+
+class _OutageAwareNodes(NodesManager):
+    """A refresh of the layout that fails for an outage raises a ConnectionError, which the
+    services wait out; redis-py raises RedisClusterException, which stopped them during a
+    failover (all slots not covered for a moment) or a whole cluster's restart."""
+
+    __slots__ = ()
+
+    async def initialize(
+        self,
+        additional_startup_nodes_info: list[tuple[str, int]] | None = None,
+        last_failed_node_name: str | None = None,
+    ) -> None:
+        try:
+            await super().initialize(additional_startup_nodes_info, last_failed_node_name)
+        except RedisClusterException as error:
+            if not cluster_outage(error):
+                raise
+            raise RedisConnectionError(f"Redis Cluster unavailable: {error}") from error
+
+
+def _cluster_outages_as_connection_errors(client: RedisCluster) -> None:
+    # RedisCluster makes its NodesManager itself (and takes no class for it); the subclass
+    # adds behaviour only, no state, so the manager it made can take it on.
+    client.nodes_manager.__class__ = _OutageAwareNodes
 
 
 def connect_node(settings: CommonSettings) -> aioredis.Redis:

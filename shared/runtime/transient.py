@@ -38,7 +38,12 @@ ERRORS: tuple[type[BaseException], ...] = (
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
     redis_errors.BusyLoadingError,
-    redis_errors.ClusterDownError,
+    # A cluster in failover: slots without a primary for a moment (ClusterDownError,
+    # SlotNotCoveredError), redirects that outran their count ("TTL exhausted"). A refresh
+    # of the layout that failed for an outage is raised as a ConnectionError
+    # (shared.redis.connection).
+    redis_errors.ClusterError,
+    redis_errors.SlotNotCoveredError,
     redis_errors.TryAgainError,
     aiormq.exceptions.AMQPConnectionError,
     aiormq.exceptions.ChannelInvalidStateError,

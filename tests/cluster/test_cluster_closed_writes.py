@@ -10,8 +10,11 @@ from collections.abc import Iterator
 import pytest
 import uvloop
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 
 from shared.redis import connection
+from shared.runtime import transient
 from shared.runtime.config import CommonSettings
 from tests.support import cluster, services
 
@@ -53,3 +56,46 @@ def test_a_cluster_node_s_closed_connection_is_retried(
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(case())
+
+
+def test_a_cluster_with_no_node_answering_is_an_outage_to_wait_out() -> None:
+    # redis-py raises RedisClusterException when it cannot refresh the layout (no node
+    # answers, or slots without a primary in a failover): not an outage to the services,
+    # so it stopped them. It comes out as a ConnectionError, waited out like any other.
+    async def case(found: cluster.Cluster) -> None:
+        settings = CommonSettings(redis_url=found.url, redis_cluster=True)
+        client = connection.connect(settings)
+        assert isinstance(client, RedisCluster)
+        try:
+            assert await client.ping()
+            for process in found.processes:
+                process.kill()
+                process.wait()
+            with pytest.raises(transient.ERRORS) as raised:
+                await client.ping()
+            assert isinstance(raised.value, RedisConnectionError), repr(raised.value)
+        finally:
+            await client.aclose()
+
+    with (
+        cluster.redis_cluster() as found,
+        asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner,
+    ):
+        runner.run(case(found))
+
+
+@pytest.mark.parametrize(
+    ("error", "outage"),
+    [
+        (RedisClusterException("Redis Cluster cannot be connected."), True),
+        (RedisClusterException("All slots are not covered after query all startup_nodes."), True),
+        (RedisClusterException("Cluster mode is not enabled on this node"), False),
+    ],
+    ids=["no node answers", "slots uncovered", "not a cluster"],
+)
+def test_which_layout_refresh_failures_are_outages(
+    error: RedisClusterException, outage: bool
+) -> None:
+    if "cannot be connected" in str(error):
+        error.__cause__ = RedisConnectionError("Connection refused")
+    assert connection.cluster_outage(error) is outage
