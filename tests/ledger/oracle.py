@@ -832,7 +832,7 @@ def _judge_chain(
         row.lateness_ms.append(max(0.0, occurrence.first_arrival - nominal))
         name = f"{timeline.member}@{nominal}"
         _count_copies(verdict, ctx, label, occurrence, name, timeline, nominal, trigger_key=None)
-        previous_end = min(end for _, end in occurrence.episodes())
+        previous_end = _chain_link_end(ctx, timeline.member, nominal, occurrence)
         fired += 1
     next_due = earliest if previous_end is None else int(previous_end) + delay
     if _chain_finished(plan, next_due, fired):
@@ -850,6 +850,16 @@ def _judge_chain(
         row.expected += 1
         row.lost += 1
         verdict.findings.append(f"lost {timeline.member}: chain stopped, next due {next_due}")
+
+
+def _chain_link_end(ctx: Context, member: str, nominal: int, occurrence: Occurrence) -> float:
+    """When the executors saw an occurrence end, as the next one's delay counts from it: its
+    first answer at the sink, or sooner when it ended dead with no answer (a host that went
+    down mid-request: the sink answered a request whose connection was already cut, so the
+    executor counted the attempt failed and the delay from its death)."""
+    answered = min(end for _, end in occurrence.episodes())
+    dead_ms = ctx.unreached.get((member, nominal))
+    return answered if dead_ms is None else min(answered, dead_ms)
 
 
 def _chain_finished(plan: Plan, next_due: int, fired: int) -> bool:

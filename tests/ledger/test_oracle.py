@@ -290,6 +290,26 @@ def test_a_delete_during_a_fault_may_end_a_chain_before_its_next_occurrence() ->
     assert oracle.judge([late], ran, [fault], horizon).total("lost") == 1
 
 
+def test_a_chain_link_cut_by_a_host_going_down_counts_from_its_death() -> None:
+    """Seed 11, long profile: the other host went down while an occurrence's request was in
+    flight. The sink answered it 1.2 s later, but the connection was already cut: the
+    executor counted the attempt failed, the next two refused, and ended it dead 43 ms before
+    the sink's answer, then placed the next one its delay after that death (1 ms too soon by
+    the sink's clock and the oracle's 50 ms slack). The delay counts from what the executors
+    saw."""
+    p = plan({"kind": "after_completion", "delay_s": 2, "start_at": timefmt.format_ms(T0)})
+    first = request(T0, T0 + 11, took=1201)  # answered at the sink at T0 + 1212
+    dead_ms = T0 + 1100  # the executor's third attempt refused: dead
+    second = request(dead_ms + 2000, dead_ms + 2000 + 5)
+    t = timeline(p)
+    horizon = dead_ms + 2000 + 1500
+    member = f"{NS}/s"
+    cut_short = oracle.judge([t], [first, second], [], horizon, unreached={(member, T0): dead_ms})
+    assert cut_short.total("unexpected") == 0, cut_short.findings
+    # Without the executors' word, the next one looks early against the sink's answer.
+    assert oracle.judge([t], [first, second], [], horizon).total("unexpected") == 1
+
+
 def test_triggers() -> None:
     p = plan(EVERY_2S)
     trig = oracle.Trigger(
