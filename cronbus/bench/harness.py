@@ -48,6 +48,9 @@ WATCH_S = 0.5
 #: CRONBUS_SHUTDOWN_GRACE_S of the bench's services: what they were doing when the run ends
 #: is of no use to anyone (the corner is dropped), so a signal ends a run in seconds.
 SERVICE_GRACE_S = 5
+#: The longest the vhost's deletion may take when a run ends (rabbitmqctl can be slow on a
+#: loaded machine), so that a stopped bench ends within a bound.
+CTL_DROP_S = 30.0
 
 T = TypeVar("T")
 LOCAL_POLICY = validation.TargetPolicy(allowed_networks=netpolicy.LOOPBACK)
@@ -145,11 +148,22 @@ async def _drop_corner(
             await client.unlink(*batch[start : start + 1000])
     await client.aclose()
     if ctl and found.vhost:
-        await asyncio.to_thread(_rabbitmqctl, ctl, "delete_vhost", found.vhost, check=False)
+        try:
+            await asyncio.to_thread(
+                _rabbitmqctl, ctl, "delete_vhost", found.vhost, check=False, timeout_s=CTL_DROP_S
+            )
+        except subprocess.TimeoutExpired:
+            # A stopped bench must end: the vhost is named for whoever deletes it later.
+            print(
+                f"cronbus bench: the vhost {found.vhost} was not deleted within {CTL_DROP_S:g} s;"
+                f" delete it with: rabbitmqctl delete_vhost {found.vhost}",
+                file=sys.stderr,
+            )
 
 
-def _rabbitmqctl(ctl: str, *args: str, check: bool = True) -> None:
-    subprocess.run([ctl, "-q", *args], check=check, capture_output=True)
+def _rabbitmqctl(ctl: str, *args: str, check: bool = True, timeout_s: float | None = None) -> None:
+    # On timeout, subprocess.run kills rabbitmqctl: nothing the bench started is left.
+    subprocess.run([ctl, "-q", *args], check=check, capture_output=True, timeout=timeout_s)
 
 
 @dataclass
