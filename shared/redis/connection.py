@@ -27,6 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.redis.errors import ClusterUnavailable
 from shared.runtime.config import CommonSettings
 
 RedisClient = aioredis.Redis | RedisCluster
@@ -169,19 +170,21 @@ def _cluster_closed_writes_fail(client: RedisCluster) -> RedisCluster:
 
 def cluster_outage(error: RedisClusterException) -> bool:
     """Whether redis-py's refresh of the cluster's layout failed because the cluster is away
-    for now: no node answered (the error is raised from a connection error), or some slots
-    have no primary (a failover under way; redis-py says so only in words). Other refusals
-    of that kind (a node not in cluster mode) are the operator's to fix."""
+    for now: no node answered (the error is raised from a connection error), some slots have
+    no primary, or the nodes disagree on the slots (a failover under way; redis-py says these
+    two only in words). Other refusals of that kind (a node not in cluster mode) are the
+    operator's to fix."""
     reached: BaseException | None = error.__cause__
     if isinstance(reached, (RedisConnectionError, RedisTimeoutError, OSError)):
         return True
-    return str(error).startswith("All slots are not covered")
+    said = str(error)
+    return said.startswith("All slots are not covered") or "could not agree" in said
 
 
 class _OutageAwareNodes(NodesManager):
-    """A refresh of the layout that fails for an outage raises a ConnectionError, which the
-    services wait out; redis-py raises RedisClusterException, which stopped them during a
-    failover (all slots not covered for a moment) or a whole cluster's restart."""
+    """A refresh of the layout that fails for an outage raises ClusterUnavailable, which the
+    services wait out; redis-py raises a bare RedisClusterException, which stopped them
+    during a failover (all slots not covered for a moment) or a whole cluster's restart."""
 
     __slots__ = ()
 
@@ -195,7 +198,7 @@ class _OutageAwareNodes(NodesManager):
         except RedisClusterException as error:
             if not cluster_outage(error):
                 raise
-            raise RedisConnectionError(f"Redis Cluster unavailable: {error}") from error
+            raise ClusterUnavailable(f"Redis Cluster unavailable: {error}") from error
 
 
 def _cluster_outages_as_connection_errors(client: RedisCluster) -> None:

@@ -14,6 +14,7 @@ import asyncpg
 from redis import exceptions as redis_errors
 
 from shared.contract import errors
+from shared.redis.errors import ClusterUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,11 @@ ERRORS: tuple[type[BaseException], ...] = (
     redis_errors.BusyLoadingError,
     # A cluster in failover: slots without a primary for a moment (ClusterDownError,
     # SlotNotCoveredError), redirects that outran their count ("TTL exhausted"). A refresh
-    # of the layout that failed for an outage is raised as a ConnectionError
+    # of the layout that failed for an outage is raised as ClusterUnavailable
     # (shared.redis.connection).
     redis_errors.ClusterError,
     redis_errors.SlotNotCoveredError,
+    ClusterUnavailable,
     redis_errors.TryAgainError,
     aiormq.exceptions.AMQPConnectionError,
     aiormq.exceptions.ChannelInvalidStateError,
@@ -62,6 +64,12 @@ _AMQP_LOGIN_REFUSALS = (
 _POSTGRES_LOGIN_REFUSALS = (asyncpg.InvalidAuthorizationSpecificationError,)
 #: A database that does not exist (3D000), a right the role lacks (42501).
 _POSTGRES_REFUSALS = (asyncpg.InvalidCatalogNameError, asyncpg.InsufficientPrivilegeError)
+
+
+def said(exc: BaseException) -> str:
+    """An error for the log, with its message: redis-py's own repr leaves the message out, and
+    the operator needs it (which slots, which address)."""
+    return f"{type(exc).__name__}: {exc}"[:500]
 
 
 class Stopped(Exception):
@@ -143,7 +151,7 @@ async def retry(
                 raise Stopped(what) from exc
             log.warning(
                 "waiting for a dependency",
-                extra={"action": "dependency_wait", "operation": what, "error": repr(exc)},
+                extra={"action": "dependency_wait", "operation": what, "error": said(exc)},
             )
             await pause(delay, stopping)
             delay = min(delay * 2, max_delay_s)
@@ -168,7 +176,7 @@ async def every(
         except ERRORS as exc:
             log.warning(
                 "waiting for a dependency",
-                extra={"action": "dependency_wait", "operation": what, "error": repr(exc)},
+                extra={"action": "dependency_wait", "operation": what, "error": said(exc)},
             )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopping.wait(), interval_s)

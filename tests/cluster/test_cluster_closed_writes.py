@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import uvloop
@@ -14,6 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
 from shared.redis import connection
+from shared.redis.errors import ClusterUnavailable
 from shared.runtime import transient
 from shared.runtime.config import CommonSettings
 from tests.support import cluster, services
@@ -58,10 +60,25 @@ def test_a_cluster_node_s_closed_connection_is_retried(
         runner.run(case())
 
 
-def test_a_cluster_with_no_node_answering_is_an_outage_to_wait_out() -> None:
+@pytest.mark.parametrize("pipeline", [False, True], ids=["command", "pipeline"])
+def test_a_cluster_with_no_node_answering_is_an_outage_to_wait_out(
+    pipeline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # redis-py raises RedisClusterException when it cannot refresh the layout (no node
     # answers, or slots without a primary in a failover): not an outage to the services,
-    # so it stopped them. It comes out as a ConnectionError, waited out like any other.
+    # so it stopped them. It comes out as ClusterUnavailable, waited out like any outage;
+    # not as a ConnectionError, which redis-py retries around a pipeline's refresh ten
+    # times over (minutes when the nodes do not answer at all).
+    refreshes = 0
+    refresh = connection._OutageAwareNodes.initialize
+
+    async def counted(self: connection._OutageAwareNodes, *args: Any, **kwargs: Any) -> None:
+        nonlocal refreshes
+        refreshes += 1
+        await refresh(self, *args, **kwargs)
+
+    monkeypatch.setattr(connection._OutageAwareNodes, "initialize", counted)
+
     async def case(found: cluster.Cluster) -> None:
         settings = CommonSettings(redis_url=found.url, redis_cluster=True)
         client = connection.connect(settings)
@@ -71,9 +88,16 @@ def test_a_cluster_with_no_node_answering_is_an_outage_to_wait_out() -> None:
             for process in found.processes:
                 process.kill()
                 process.wait()
+            before = refreshes
             with pytest.raises(transient.ERRORS) as raised:
-                await client.ping()
-            assert isinstance(raised.value, RedisConnectionError), repr(raised.value)
+                if pipeline:
+                    async with client.pipeline(transaction=False) as pipe:
+                        pipe.get("{1}x")
+                        await pipe.execute()
+                else:
+                    await client.ping()
+            assert isinstance(raised.value, ClusterUnavailable), repr(raised.value)
+            assert refreshes - before <= 2, refreshes - before
         finally:
             await client.aclose()
 
@@ -89,9 +113,10 @@ def test_a_cluster_with_no_node_answering_is_an_outage_to_wait_out() -> None:
     [
         (RedisClusterException("Redis Cluster cannot be connected."), True),
         (RedisClusterException("All slots are not covered after query all startup_nodes."), True),
+        (RedisClusterException("startup_nodes could not agree on a valid slots cache"), True),
         (RedisClusterException("Cluster mode is not enabled on this node"), False),
     ],
-    ids=["no node answers", "slots uncovered", "not a cluster"],
+    ids=["no node answers", "slots uncovered", "nodes disagree", "not a cluster"],
 )
 def test_which_layout_refresh_failures_are_outages(
     error: RedisClusterException, outage: bool
