@@ -48,6 +48,8 @@ WATCH_S = 0.5
 #: CRONBUS_SHUTDOWN_GRACE_S of the bench's services: what they were doing when the run ends
 #: is of no use to anyone (the corner is dropped), so a signal ends a run in seconds.
 SERVICE_GRACE_S = 5
+#: How long a stopped run's measurement may take to unwind before its services are stopped.
+CANCEL_WAIT_S = 5.0
 #: The longest the vhost's deletion may take when a run ends (rabbitmqctl can be slow on a
 #: loaded machine), so that a stopped bench ends within a bound.
 CTL_DROP_S = 30.0
@@ -490,9 +492,10 @@ async def watched(run: Run, work: Awaitable[T]) -> T:
     finally:
         if not task.done():
             task.cancel()
-            # Its own failure, if any, is not the reason this run ends.
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            # Its own failure, if any, is not the reason this run ends; nor may its clean-up
+            # (a database pool closing gracefully on a loaded machine) hold the services'
+            # stop, which comes next: it gets a few seconds, then the run goes on stopping.
+            await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
 
 
 def report(args: argparse.Namespace, measure: Coroutine[Any, Any, dict[str, Any]]) -> int:
