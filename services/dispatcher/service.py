@@ -142,13 +142,6 @@ class DispatcherService(ServiceBase):
                 await asyncio.wait_for(self._reply_queues.close(), 1)
 
 
-#: RuntimeError: under uvloop, redis-py's pub/sub reconnect could write to the transport the
-#: dead server closed ("the handler is closed"). The connections now fail such a write as a
-#: ConnectionError (``shared.redis.connection``); wake-ups being only a shortcut, the listener
-#: still outlives any error of that kind a read may raise.
-_LISTENER_ERRORS: tuple[type[BaseException], ...] = (*transient.ERRORS, RuntimeError)
-
-
 async def _listen_for_wakes(
     client: aioredis.Redis, channel: str, dispatcher: Dispatcher, stopping: asyncio.Event
 ) -> None:
@@ -164,11 +157,11 @@ async def _listen_for_wakes(
                     if message and message.get("type") == "message":
                         with contextlib.suppress(ValueError):
                             dispatcher.wake(int(message["data"]))
-        except _LISTENER_ERRORS as exc:
+        except transient.ERRORS as exc:
             # Wake-ups are only a shortcut (claims poll anyway): listen again rather than
             # stop the dispatcher.
             log.warning(
                 "wake-up listener reconnects",
-                extra={"action": "wake_listener_wait", "error": repr(exc)},
+                extra={"action": "wake_listener_wait", "error": transient.said(exc)},
             )
             await transient.pause(1.0, stopping)

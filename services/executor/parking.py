@@ -137,7 +137,11 @@ class Parking:
             except transient.ERRORS as exc:
                 log.warning(
                     "parked deliveries not looked at",
-                    extra={"action": "dependency_wait", "operation": "unpark", "error": repr(exc)},
+                    extra={
+                        "action": "dependency_wait",
+                        "operation": "unpark",
+                        "error": transient.said(exc),
+                    },
                 )
             self._look_now.clear()
             with contextlib.suppress(TimeoutError):

@@ -135,7 +135,7 @@ def connect(settings: CommonSettings) -> RedisClient:
         return _sentinel_primary(settings, options, fast=True)
     options["connection_class"] = FastConnection  # the URL's scheme wins (rediss: TLS)
     if settings.redis_cluster:
-        return _cluster_closed_writes_fail(RedisCluster.from_url(settings.redis_url, **options))
+        return _cluster_client(RedisCluster.from_url(settings.redis_url, **options))
     return _closed_writes_fail(
         aioredis.Redis.from_url(settings.redis_url, retry_on_timeout=True, **options)
     )
@@ -154,17 +154,19 @@ def _closed_writes_fail(client: aioredis.Redis) -> aioredis.Redis:
     return client
 
 
-def _cluster_closed_writes_fail(client: RedisCluster) -> RedisCluster:
+def _cluster_client(client: RedisCluster) -> RedisCluster:
     """The cluster's node connections fail a write on a closed connection as a
-    ConnectionError. RedisCluster takes no connection_class (its from_url drops the one
-    given): every node it learns of later copies the shared connection_kwargs, and the
-    startup nodes, made already, are told here."""
+    ConnectionError, and a refresh of its layout that fails for an outage raises
+    ClusterUnavailable. RedisCluster takes neither a connection class (its from_url drops
+    the one given) nor a class for its NodesManager: every node it learns of later copies the
+    shared connection_kwargs, the startup nodes, made already, are told here, and the manager
+    it made takes on a subclass that adds behaviour only, no state."""
     tls = client.connection_kwargs.get("connection_class") is SSLConnection
     safe: type[aioredis.Connection] = SafeSSLConnection if tls else FastConnection
     client.connection_kwargs["connection_class"] = safe
     for node in client.nodes_manager.startup_nodes.values():
         node.connection_class = safe
-    _cluster_outages_as_connection_errors(client)
+    client.nodes_manager.__class__ = _OutageAwareNodes
     return client
 
 
@@ -199,12 +201,6 @@ class _OutageAwareNodes(NodesManager):
             if not cluster_outage(error):
                 raise
             raise ClusterUnavailable(f"Redis Cluster unavailable: {error}") from error
-
-
-def _cluster_outages_as_connection_errors(client: RedisCluster) -> None:
-    # RedisCluster makes its NodesManager itself (and takes no class for it); the subclass
-    # adds behaviour only, no state, so the manager it made can take it on.
-    client.nodes_manager.__class__ = _OutageAwareNodes
 
 
 def connect_node(settings: CommonSettings) -> aioredis.Redis:

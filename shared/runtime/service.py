@@ -99,7 +99,11 @@ class Dependencies:
                 if self.status.get(name, True):
                     log.warning(
                         "dependency down",
-                        extra={"action": "dependency_down", "dependency": name, "error": repr(exc)},
+                        extra={
+                            "action": "dependency_down",
+                            "dependency": name,
+                            "error": transient.said(exc),
+                        },
                     )
             if up and not self.status.get(name, False):
                 log.info("dependency up", extra={"action": "dependency_up", "dependency": name})
@@ -477,7 +481,11 @@ async def _close_within(closing: Awaitable[object], what: str) -> bool:
     except Exception as exc:  # noqa: BLE001 - whatever the driver raises, the exit goes on
         log.warning(
             "connection dropped at shutdown",
-            extra={"action": "connection_dropped", "dependency": what, "error": repr(exc)},
+            extra={
+                "action": "connection_dropped",
+                "dependency": what,
+                "error": transient.said(exc),
+            },
         )
         return False
     return True
