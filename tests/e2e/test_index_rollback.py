@@ -82,6 +82,24 @@ async def snapshot(client: aioredis.Redis, prefix: str) -> dict[bytes, bytes]:
     return {key: dump for key, dump in zip(found, dumps, strict=True) if dump is not None}
 
 
+def in_flight(saved: dict[bytes, bytes]) -> bool:
+    """Whether a copy holds an occurrence in flight (a shard's lease set exists only while it
+    has members)."""
+    return any(key.endswith(b":lease") for key in saved)
+
+
+async def fire_every_second(
+    stack: Stack, sink: Sink, client: CommandClient, schedules: list[dict[str, Any]], **env: str
+) -> None:
+    """The services started with ``env``, the schedules created, and each delivered once."""
+    await stack.start_all(("dispatcher", "executor", "sweeper"), **env)
+    await send_all(client, [("upsert", {"schedule": body}) for body in schedules])
+    paths = {body["target"]["url"].removeprefix(sink.url) for body in schedules}
+    assert await sink.wait_for(lambda s: {r.path for r in s.received} >= paths, 20), (
+        "not every schedule fired"
+    )
+
+
 async def snapshot_between_fires(client: aioredis.Redis, prefix: str) -> dict[bytes, bytes]:
     """A copy taken half way between two fires, at a moment no occurrence is in flight: each
     schedule waits in due, so the copy holds its next occurrence (due again by the time it is
@@ -93,7 +111,7 @@ async def snapshot_between_fires(client: aioredis.Redis, prefix: str) -> dict[by
     for _ in range(20):
         await asyncio.sleep(1.5 - (time.time() % 1.0))
         saved = await snapshot(client, prefix)
-        if not any(key.endswith(b":lease") for key in saved):
+        if not in_flight(saved):
             return saved
     raise AssertionError("an occurrence was in flight at every half second for 20 s")
 
@@ -151,14 +169,14 @@ async def test_an_index_rolled_back_never_undoes_an_answered_command(
     database_url: str,
 ) -> None:
     # The default check, and a slow one: until the sweeper's replay, the fence alone holds.
-    await stack.start_all(("dispatcher", "executor", "sweeper"), CRONBUS_POSITION_CHECK_S=check_s)
     ids = [f"s{i}" for i in range(SCHEDULES)]
-    await send_all(
-        client, [("upsert", {"schedule": every_second(sink, i, f"/old/{i}")}) for i in ids]
+    await fire_every_second(
+        stack,
+        sink,
+        client,
+        [every_second(sink, i, f"/old/{i}") for i in ids],
+        CRONBUS_POSITION_CHECK_S=check_s,
     )
-    assert await sink.wait_for(
-        lambda s: {r.path for r in s.received} >= {f"/old/{i}" for i in ids}, 20
-    ), "not every schedule fired"
     redis = aioredis.Redis.from_url(endpoints.redis_url)
     try:
         saved = await snapshot_between_fires(redis, redis_prefix)
@@ -232,7 +250,7 @@ async def snapshot_in_flight(client: aioredis.Redis, prefix: str) -> dict[bytes,
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         saved = await snapshot(client, prefix)
-        if any(key.endswith(b":lease") for key in saved):
+        if in_flight(saved):
             return saved
         await asyncio.sleep(0.05)
     raise AssertionError("no occurrence was in flight in 20 s")
@@ -248,17 +266,16 @@ async def test_an_occurrence_in_flight_in_the_copy_is_delivered_again_and_its_sc
     # The copy holds occurrences in flight; their completions (and the next occurrences they
     # placed) are what the rollback undoes. Each is delivered again, with the same key, once
     # its lease expires, and its schedule fires on: late by about the lease, never stopped.
-    await stack.start_all(
-        ("dispatcher", "executor", "sweeper"),
+    sink.delay_s = 0.4  # deliveries take a while: the copy catches some in flight
+    ids = [f"f{i}" for i in range(10)]
+    await fire_every_second(
+        stack,
+        sink,
+        client,
+        [every_second_fire_all(sink, i) for i in ids],
         CRONBUS_LEASE_S="4",
         CRONBUS_SWEEP_INTERVAL_S="0.5",
     )
-    sink.delay_s = 0.4  # deliveries take a while: the copy catches some in flight
-    ids = [f"f{i}" for i in range(10)]
-    await send_all(client, [("upsert", {"schedule": every_second_fire_all(sink, i)}) for i in ids])
-    assert await sink.wait_for(
-        lambda s: {r.path for r in s.received} >= {f"/f/{i}" for i in ids}, 20
-    ), "not every schedule fired"
     redis = aioredis.Redis.from_url(endpoints.redis_url)
     try:
         saved = await snapshot_in_flight(redis, redis_prefix)
