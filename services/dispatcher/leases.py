@@ -17,6 +17,9 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable
+from typing import Literal
+
+from prometheus_client import Gauge
 
 from shared.redis.index import Index
 from shared.runtime import metrics, transient
@@ -51,8 +54,16 @@ class ShardLeases:
         ttl_s: float,
         on_change: Callable[[list[int]], None],
         dispatcher_id: str | None = None,
+        owner_key: Callable[[int], str] | None = None,
+        what: str = "shard",
+        gauge: Gauge = metrics.SHARDS_OWNED,
     ) -> None:
+        """Leases on ``shards`` things (shards by default; commands partitions with the
+        partition's ``owner_key``), named ``what`` in the logs and counted in ``gauge``."""
         self.index = index
+        self.owner_key = owner_key
+        self.what = what
+        self.gauge = gauge
         self.shards = shards
         self.ttl_ms = round(ttl_s * 1000)
         self.on_change = on_change
@@ -73,40 +84,49 @@ class ShardLeases:
     async def balance(self) -> list[int]:
         """One round: renew, give back or take, and return the shards held now."""
         share = fair_share(self.shards, await self.live_dispatchers())
-        renewed = await self.index.own(sorted(self.owned), self.id, self.ttl_ms, "renew")
+        renewed = await self._own(sorted(self.owned), "renew")
         owned = {s for s, mine in renewed.items() if mine}
         give_back, candidates = moves(owned, self.order, share)
         if give_back:
-            await self.index.own(give_back, self.id, self.ttl_ms, "release")
+            await self._own(give_back, "release")
             owned -= set(give_back)
         for shard in candidates:
             if len(owned) >= share:
                 break
-            taken = await self.index.own([shard], self.id, self.ttl_ms, "acquire")
+            taken = await self._own([shard], "acquire")
             if taken[shard]:
                 owned.add(shard)
         self._update(owned)
         return sorted(owned)
 
+    async def _own(
+        self, items: list[int], mode: Literal["acquire", "renew", "release"]
+    ) -> dict[int, bool]:
+        return await self.index.own(items, self.id, self.ttl_ms, mode, self.owner_key)
+
     def _update(self, owned: set[int]) -> None:
         if owned != self.owned:
             log.info(
-                "shard leases changed",
-                extra={"action": "shards_owned", "shards": sorted(owned), "dispatcher": self.id},
+                f"{self.what} leases changed",
+                extra={
+                    "action": f"{self.what}s_owned",
+                    f"{self.what}s": sorted(owned),
+                    "dispatcher": self.id,
+                },
             )
             self.owned = owned
             self.on_change(sorted(owned))
-        metrics.SHARDS_OWNED.set(len(owned))
+        self.gauge.set(len(owned))
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Balance a few times per lease period until stopping, then hand the shards back."""
         await transient.every(
-            self.ttl_ms / 1000 / 4, self.balance, what="shard leases", stopping=stopping
+            self.ttl_ms / 1000 / 4, self.balance, what=f"{self.what} leases", stopping=stopping
         )
         await self.release_all()
 
     async def release_all(self) -> None:
         with contextlib.suppress(*transient.ERRORS):
-            await self.index.own(sorted(self.owned), self.id, self.ttl_ms, "release")
+            await self._own(sorted(self.owned), "release")
             await self.index.client.zrem(self.index.keys.dispatchers, self.id)
         self._update(set())

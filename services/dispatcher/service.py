@@ -8,13 +8,14 @@ import logging
 from typing import Any
 
 import redis.asyncio as aioredis
-from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.fence import Fence
 from services.dispatcher.intake import Intake
 from services.dispatcher.intake.reply_queues import ReplyQueues
 from services.dispatcher.leases import ShardLeases
+from services.dispatcher.partitions import PartitionConsumers
+from services.dispatcher.router import Router
 from shared.rabbitmq import amqp
 from shared.redis import connection
 from shared.runtime import metrics, spans, transient
@@ -32,7 +33,7 @@ class DispatcherService(ServiceBase):
         self.settings = settings
         self.spans = spans.open_spans(settings.otlp_endpoint, self.name)
         self.consuming = False
-        self._commands: set[asyncio.Task[None]] = set()
+        self._partitions: PartitionConsumers | None = None
         self._dispatcher: Dispatcher | None = None
         self._reply_queues: ReplyQueues | None = None
 
@@ -40,7 +41,7 @@ class DispatcherService(ServiceBase):
         """Commands not answered go back to the broker when the connection drops (a replay
         is recognised); occurrences claimed and not published are reclaimed by the sweeper."""
         counts = super().left_behind()
-        counts["commands"] = len(self._commands)
+        counts["commands"] = self._partitions.under_way if self._partitions else 0
         counts["claimed_occurrences"] = self._dispatcher.publishing if self._dispatcher else 0
         return counts
 
@@ -79,8 +80,9 @@ class DispatcherService(ServiceBase):
             with contextlib.suppress(*transient.ERRORS):
                 await pubsub_client.publish(wake_channel, str(fire_ms))
 
+        # Replies and dead letters; commands arrive on each partition's own channel.
         command_channel = await connections.amqp.channel(publisher_confirms=True)
-        await command_channel.set_qos(prefetch_count=settings.commands_prefetch)
+        await amqp.declare_partitions(command_channel, settings.command_partitions)
         # Reply queue checks on a connection of their own (a refused check closes its channel).
         reply_queues = self._reply_queues = ReplyQueues(settings.amqp_url)
         intake = Intake(
@@ -97,45 +99,63 @@ class DispatcherService(ServiceBase):
             "answered-positions",
             fence.follow(connections.store.pool, settings.position_check_s, stopping),
         )
-        if settings.shard_lease_s > 0:
-            dispatcher.shards = []  # until the first leases are taken
-            leases = ShardLeases(
-                connections.index,
-                settings.shards,
-                settings.shard_lease_s,
-                on_change=dispatcher.use_shards,
-            )
-            tasks.start("shard-leases", leases.run(stopping))
-        else:
-            metrics.SHARDS_OWNED.set(settings.shards)
+        partitions = self._partitions = PartitionConsumers(
+            connections.amqp, intake.handle, settings.commands_prefetch
+        )
+        self._lease_work(dispatcher, partitions, tasks, stopping)
         tasks.start("claim-loop", dispatcher.run())
         tasks.start(
             "wake-listener", _listen_for_wakes(pubsub_client, wake_channel, dispatcher, stopping)
         )
         tasks.start("backlog-report", dispatcher.report_backlog())
-        queue = await amqp.commands_queue_of(command_channel)
-
-        async def on_command(message: AbstractIncomingMessage) -> None:
-            task = asyncio.create_task(intake.handle(message), name="command")
-            self._commands.add(task)
-            task.add_done_callback(self._commands.discard)
-
-        consumer_tag = await queue.consume(on_command)
+        tasks.start("command-partitions", partitions.run(stopping))
+        router = Router(settings, stopping, intake.answers.reply, reply_queues.answerable)
+        tasks.start("command-router", router.run())
         self.consuming = True
         log.info("dispatcher ready", extra={"action": "ready", "shards": settings.shards})
         await stopping.wait()
-        await self._shut_down(queue, consumer_tag, tasks)
+        await self._shut_down(partitions, tasks)
 
-    async def _shut_down(self, queue: AbstractQueue, consumer_tag: str, tasks: Tasks) -> None:
-        """Stop taking commands and claiming; finish the commands and publishes under way."""
+    def _lease_work(
+        self,
+        dispatcher: Dispatcher,
+        partitions: PartitionConsumers,
+        tasks: Tasks,
+        stopping: asyncio.Event,
+    ) -> None:
+        """Shards to claim from and commands partitions to consume, each dispatcher its share
+        (without leases: all of them)."""
+        settings, index = self.settings, self.connections.index
+        if settings.shard_lease_s <= 0:
+            metrics.SHARDS_OWNED.set(settings.shards)
+            partitions.use(list(range(settings.command_partitions)))
+            metrics.PARTITIONS_OWNED.set(settings.command_partitions)
+            return
+        dispatcher.shards = []  # until the first leases are taken
+        shards = ShardLeases(
+            index, settings.shards, settings.shard_lease_s, on_change=dispatcher.use_shards
+        )
+        tasks.start("shard-leases", shards.run(stopping))
+        partition_leases = ShardLeases(
+            index,
+            settings.command_partitions,
+            settings.shard_lease_s,
+            on_change=partitions.use,
+            dispatcher_id=shards.id,
+            owner_key=index.keys.partition_owner,
+            what="partition",
+            gauge=metrics.PARTITIONS_OWNED,
+        )
+        tasks.start("partition-leases", partition_leases.run(stopping))
+
+    async def _shut_down(self, partitions: PartitionConsumers, tasks: Tasks) -> None:
+        """Stop taking commands and claiming; finish the commands and publishes under way
+        (the commands not started go back to their partitions, in order)."""
         self.consuming = False
-        with contextlib.suppress(TimeoutError, *transient.ERRORS):
-            # With the broker away the cancel cannot be sent (nor is it needed).
-            await asyncio.wait_for(queue.cancel(consumer_tag), 1)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + finish_budget_s(self.settings.shutdown_grace_s)
-        if self._commands:
-            await asyncio.wait(self._commands, timeout=deadline - loop.time())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(partitions.let_all_go(), max(deadline - loop.time(), 0))
         await tasks.wait_all(max(deadline - loop.time(), 0))
         if self._reply_queues is not None:
             with contextlib.suppress(TimeoutError, *transient.ERRORS):

@@ -141,6 +141,10 @@ class RedisKeys:
         """STRING dispatcher id holding the shard's claim lease (expires by itself)."""
         return f"{self.prefix}:{{{shard}}}:owner"
 
+    def partition_owner(self, partition: int) -> str:
+        """STRING dispatcher id holding the lease on a commands partition (expires by itself)."""
+        return f"{self.prefix}:meta:partition:{partition}:owner"
+
     @property
     def dispatchers(self) -> str:
         """ZSET dispatcher id -> last heartbeat (ms): how many share the shards."""
@@ -188,6 +192,20 @@ EVENTS_EXCHANGE: Final = "cronbus.events"
 DELIVERIES_EXCHANGE: Final = "cronbus.deliveries"
 DELIVERIES_QUEUE: Final = "cronbus.deliveries"
 DEAD_LETTER_EXCHANGE: Final = "cronbus.dead"
+#: Commands routed to their partitions (direct, routing key = the partition's number).
+PARTITIONS_EXCHANGE: Final = "cronbus.commands.partitions"
+#: Declared exclusive by the dispatcher that routes ``cronbus.commands`` to the partitions: the
+#: broker lets one connection hold it, and drops it with that connection.
+ROUTER_LOCK_QUEUE: Final = "cronbus.commands.router"
+#: On a routed command: what the broker told the router and a republish cannot carry as is
+#: (the routing key is the partition's; ``user_id`` must be the publisher's own; a message id
+#: absent stays absent).
+ROUTED_KEY_HEADER: Final = "x-cronbus-routing-key"
+ROUTED_USER_HEADER: Final = "x-cronbus-user-id"
+ROUTED_MESSAGE_ID_HEADER: Final = "x-cronbus-message-id"
+#: The properties of a routed command that were not UTF-8 (comma-separated names): republished
+#: readable (U+FFFD), the intake still refuses them by name.
+ROUTED_UNDECODABLE_HEADER: Final = "x-cronbus-undecodable-properties"
 #: Header carrying why a message went to a dead-letter queue.
 DEAD_REASON_HEADER: Final = "x-cronbus-error"
 #: Names a user-supplied exchange may not start with: cronbus's own and the broker's.
@@ -197,6 +215,11 @@ RESERVED_EXCHANGE_PREFIXES: Final = ("cronbus.", "amq.")
 def dead_letter_queue(queue: str) -> str:
     """The dead-letter queue of ``queue``: ``cronbus.commands`` -> ``cronbus.commands.dead``."""
     return f"{queue}.dead"
+
+
+def partition_queue(partition: int) -> str:
+    """``cronbus.commands.p<k>``: one of the command partitions (docs/scaling.md)."""
+    return f"{COMMANDS_QUEUE}.p{partition}"
 
 
 def quorum_queue_arguments(queue: str, *, delivery_limit: int | None = None) -> dict[str, Any]:

@@ -76,6 +76,32 @@ async def commands_queue_of(channel: AbstractChannel) -> AbstractQueue:
     )
 
 
+def partition_queue_arguments() -> dict[str, Any]:
+    """A commands partition: one active consumer at a time (the broker's guarantee, whatever
+    the dispatchers' leases say), dead letters with the commands' own."""
+    arguments = keys.quorum_queue_arguments(
+        keys.COMMANDS_QUEUE, delivery_limit=COMMAND_DELIVERY_LIMIT
+    )
+    arguments["x-single-active-consumer"] = True
+    return arguments
+
+
+async def declare_partitions(channel: AbstractChannel, partitions: int) -> None:
+    """The partitions exchange and its queues (dispatchers only: they know how many)."""
+    exchange = await channel.declare_exchange(
+        keys.PARTITIONS_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
+    )
+    for partition in range(partitions):
+        queue = await partition_queue_of(channel, partition)
+        await queue.bind(exchange, routing_key=str(partition))
+
+
+async def partition_queue_of(channel: AbstractChannel, partition: int) -> AbstractQueue:
+    return await channel.declare_queue(
+        keys.partition_queue(partition), durable=True, arguments=partition_queue_arguments()
+    )
+
+
 async def _commands_queue_arguments(channel: AbstractChannel) -> dict[str, Any]:
     """The commands queue's arguments: with a delivery limit, unless the queue already exists
     without one.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from redis.asyncio.cluster import RedisCluster
@@ -339,10 +339,13 @@ class Index:
         dispatcher_id: str,
         ttl_ms: int,
         mode: Literal["acquire", "renew", "release"],
+        owner_key: Callable[[int], str] | None = None,
     ) -> dict[int, bool]:
-        """Per shard, whether ``dispatcher_id`` holds its lease after the call (own.lua)."""
+        """Per shard (or what ``owner_key`` names: a commands partition), whether
+        ``dispatcher_id`` holds its lease after the call (own.lua)."""
         order = list(shards)
-        calls = [("own", [self.keys.shard_owner(s)], [dispatcher_id, ttl_ms, mode]) for s in order]
+        key_of = owner_key or self.keys.shard_owner
+        calls = [("own", [key_of(s)], [dispatcher_id, ttl_ms, mode]) for s in order]
         replies = await self._pipeline(calls) if calls else []
         return {s: bool(int(r)) for s, r in zip(order, replies, strict=True)}
 

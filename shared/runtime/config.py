@@ -179,7 +179,11 @@ class DispatcherSettings(WebhookPolicySettings):
     #: Lease of a dispatcher on the shards it claims from; several dispatchers split the
     #: shards and a dead one's are taken over after this long (0: claim from every shard).
     shard_lease_s: float = Field(default=5, ge=0, le=300)
-    #: Unacknowledged commands the intake works on at once.
+    #: Partitions of the command intake: commands on one schedule go to one partition, which
+    #: one dispatcher at a time consumes, in order. Every dispatcher must use the same number;
+    #: see docs/scaling.md before changing it on a running install.
+    command_partitions: int = Field(default=8, ge=1, le=256)
+    #: Unacknowledged commands the intake works on at once, per partition it consumes.
     commands_prefetch: int = Field(default=512, ge=1, le=10_000)
     #: Most upserts written in one PostgreSQL transaction (group commit).
     commands_batch: int = Field(default=500, ge=1, le=10_000)

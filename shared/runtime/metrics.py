@@ -40,6 +40,18 @@ DUE_BACKLOG = Gauge(
     "cronbus_due_backlog", "Occurrences due now or earlier still waiting in a shard.", ["shard"]
 )
 SHARDS_OWNED = Gauge("cronbus_shards_owned", "Shards this dispatcher claims from.")
+PARTITIONS_OWNED = Gauge(
+    "cronbus_command_partitions_owned", "Commands partitions this dispatcher consumes."
+)
+COMMANDS_ROUTED = Counter(
+    "cronbus_commands_routed_total",
+    "Commands the active router moved from cronbus.commands to their partitions, by how: "
+    "whole, or split (an upsert_many over several partitions).",
+    ["how"],
+)
+ROUTER_ACTIVE = Gauge(
+    "cronbus_command_router_active", "1 while this dispatcher routes cronbus.commands."
+)
 
 # --- intake -------------------------------------------------------------------------------
 COMMANDS = Counter(
@@ -237,6 +249,9 @@ OWNERS: dict[str, tuple[object, ...]] = {
         DELIVERIES_READY,
         DUE_BACKLOG,
         SHARDS_OWNED,
+        PARTITIONS_OWNED,
+        COMMANDS_ROUTED,
+        ROUTER_ACTIVE,
         COMMANDS,
         DEAD_LETTERED,
         REPLY_TO_REFUSED,

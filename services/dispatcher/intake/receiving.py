@@ -7,14 +7,14 @@ known, so that a refusal at any step can still audit and dead-letter as much as 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.dispatcher import batch
-from shared.contract import commands, models, validation
+from shared.contract import commands, keys, models, validation
 from shared.contract.errors import ValidationFailed
 from shared.contract.rows import CommandAudit
 from shared.rabbitmq import amqp, decoding
@@ -47,7 +47,13 @@ class Meta:
             "app_id": message.app_id,
             "message_id": message.message_id,
         }
+        routed_undecodable: list[str] = []
+        if message.exchange == keys.PARTITIONS_EXCHANGE:
+            headers = message.headers or {}
+            properties.update(_routed(headers))
+            routed_undecodable = _named(headers.get(keys.ROUTED_UNDECODABLE_HEADER))
         bad = [name for name, value in properties.items() if decoding.undecodable(value)]
+        bad += [name for name in routed_undecodable if name in properties and name not in bad]
         if decoding.UNDECODABLE_HEADER in (message.headers or {}):
             bad.append("headers")
         return cls(
@@ -59,6 +65,29 @@ class Meta:
             message_id=_readable(properties["message_id"]),
             undecodable=tuple(bad),
         )
+
+
+def _routed(headers: Mapping[str, Any]) -> dict[str, str | None]:
+    """What the router carried over in headers (``keys.ROUTED_*``): the command as the user
+    published it on ``cronbus.commands``."""
+
+    def text(name: str) -> str | None:
+        value = headers.get(name)
+        if isinstance(value, bytes):
+            return value.decode("utf-8", "replace")
+        return value if isinstance(value, str) else None
+
+    return {
+        "routing_key": text(keys.ROUTED_KEY_HEADER) or "",
+        "user_id": text(keys.ROUTED_USER_HEADER),
+        "message_id": text(keys.ROUTED_MESSAGE_ID_HEADER),
+    }
+
+
+def _named(value: Any) -> list[str]:
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return value.split(",") if isinstance(value, str) and value else []
 
 
 def _readable(value: str | None) -> str | None:

@@ -77,6 +77,14 @@ class ReplyQueues:
         if not verdict.answer:
             raise refused(reply_to, verdict.reason)
 
+    async def answerable(self, reply_to: str) -> bool:
+        """``check`` as a yes or no (the router asks before splitting a command)."""
+        try:
+            await self.check(reply_to)
+        except ReplyToRefused:
+            return False
+        return True
+
     async def still_answerable(self, reply_to: str) -> replies.Verdict:
         """The broker's word on ``reply_to`` now, kept verdict or not (a reply is about to be
         published there): the queue answered a moment ago may have lost its exclusive owner,
