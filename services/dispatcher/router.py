@@ -321,7 +321,9 @@ class Routing:
         headers = {
             name: value
             for name, value in (message.header.properties.headers or {}).items()
-            if name not in ROUTER_HEADERS and name != "x-delivery-count"
+            # x-delivery-count stays: the deliveries from cronbus.commands count until the
+            # partition's own (set by the broker from its first redelivery) replace them.
+            if name not in ROUTER_HEADERS
         }
         headers[keys.ROUTED_KEY_HEADER] = text["routing_key"] or ""
         if text["user_id"] is not None:
