@@ -310,6 +310,16 @@ def run(args: argparse.Namespace) -> int:
     """The figures of every count printed, then exit status 1 if any broke the order (2 with
     no figures, as for the other benchmarks, when a count could not be measured)."""
     check_args(args)
+    blind = order.blind_counts(args.order_schedules, args.dispatchers)
+    if blind and (not args.only or ORDERED in args.only):
+        print(
+            f"cronbus bench intake: --order-schedules {args.order_schedules} is a multiple of "
+            f"{', '.join(map(str, blind))} dispatchers: taken in turn, each schedule's commands "
+            "may all reach one of them, so the order check may not see a shared queue's "
+            "disorder (an odd or prime count avoids it)",
+            file=sys.stderr,
+            flush=True,
+        )
     blocks = procs.run_until_signal(_measured(args))
     for i, block in enumerate(blocks):
         if i and not args.json:
@@ -338,8 +348,9 @@ def add_kind(kinds: Kinds) -> argparse.ArgumentParser:
     intake.add_argument(
         "--order-schedules",
         type=int,
-        default=100,
-        help="schedules of the ordered phase (default 100)",
+        # Prime: no dispatcher count divides it (see order.blind_counts).
+        default=101,
+        help="schedules of the ordered phase (default 101)",
     )
     intake.add_argument(
         "--order-each",

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cronbus.bench.intake import ordered_commands
-from cronbus.bench.order import Answer, final_seq_of, judge, summary, version_of
+from cronbus.bench.order import Answer, blind_counts, final_seq_of, judge, summary, version_of
 from shared.contract import codec
 
 #: Commands sent to each schedule, by schedule id.
@@ -150,3 +150,9 @@ def test_the_ordered_commands_interleave_the_schedules_and_label_each_seq() -> N
     ]
     body = codec.loads(commands[4][2])["schedule"]
     assert (body["id"], body["labels"]) == ("o000001", {"seq": "1"})
+
+
+def test_a_count_of_schedules_that_a_dispatcher_count_divides_is_named() -> None:
+    assert blind_counts(100, [1, 2, 4]) == [2, 4]
+    assert blind_counts(101, [1, 2, 4, 8]) == []
+    assert blind_counts(30, [3, 3, 7]) == [3]
