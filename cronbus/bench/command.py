@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _add_json(drift_kind)
     for kind in (herd_kind, fairness_kind, steady_kind, rebuild_kind, intake_kind, held_kind):
         _add_json(kind)
-        _add_service_options(kind)
+        _add_service_options(kind, dispatcher_counts=kind is intake_kind)
 
 
 def _add_json(kind: argparse.ArgumentParser) -> None:
@@ -54,15 +54,26 @@ def _add_sink_options(kind: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_service_options(kind: argparse.ArgumentParser) -> None:
-    """For the benchmarks that start the services (``cronbus.bench.harness``)."""
+def _add_service_options(kind: argparse.ArgumentParser, dispatcher_counts: bool = False) -> None:
+    """For the benchmarks that start the services (``cronbus.bench.harness``). With
+    ``dispatcher_counts``, ``--dispatchers`` takes several counts, each measured in turn."""
     kind.add_argument(
         "--executors",
         type=int,
         default=os.cpu_count() or 1,
         help="executor processes (default: one per core)",
     )
-    kind.add_argument("--dispatchers", type=int, default=1)
+    if dispatcher_counts:
+        kind.add_argument(
+            "--dispatchers",
+            type=int,
+            nargs="+",
+            default=[1, 2, 4],
+            help="dispatcher processes: each count measured in turn, in a corner of its own "
+            "(default 1 2 4)",
+        )
+    else:
+        kind.add_argument("--dispatchers", type=int, default=1)
     kind.add_argument(
         "--events",
         default="failures",
