@@ -30,7 +30,7 @@ import itertools
 import logging
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,7 +110,10 @@ def _is_split(plan: list[Publish]) -> bool:
 
 
 class AckWindow:
-    """Delivery tags acknowledged with ``multiple``: up to the first one still under way."""
+    """Which routed commands to acknowledge, and how: those in a row from the oldest still
+    unacknowledged go in one frame (``multiple``); one finished behind a command still under
+    way (a split waiting for its parts) goes alone, at once, so that a slow split holds back
+    no other command (should the router die, the next one would route them all again)."""
 
     def __init__(self) -> None:
         self._order: deque[int] = deque()
@@ -119,14 +122,22 @@ class AckWindow:
     def arrived(self, tag: int) -> None:
         self._order.append(tag)
 
-    def finish(self, tag: int) -> int | None:
-        """The tag to acknowledge with ``multiple`` now that ``tag`` is done (None: none yet)."""
-        self._done.add(tag)
+    def finish(self, tags: Iterable[int]) -> list[tuple[int, bool]]:
+        """The acks (tag, multiple) that settle ``tags``, to send in this order: each names
+        a tag no earlier ack settled."""
+        self._done.update(tags)
+        acks = []
         last = None
         while self._order and self._order[0] in self._done:
             last = self._order.popleft()
             self._done.discard(last)
-        return last
+        if last is not None:
+            acks.append((last, True))
+        for tag in sorted(self._done):
+            self._order.remove(tag)
+            acks.append((tag, False))
+        self._done.clear()
+        return acks
 
 
 @dataclass
@@ -255,40 +266,100 @@ class Routing:
         # The routes first, in order (a split may ask the broker about its reply_to), then
         # every publish started in arrival order: started without a wait in between, they
         # take the channel's lock, and reach the broker, in that order.
-        plans = [await self._plan(message) for message in batch]
+        plans = await self._plans(batch)
         publishing = [
-            asyncio.ensure_future(self._publish(message, partition, body, part))
+            [
+                asyncio.ensure_future(self._sent(message, partition, body, part))
+                for partition, body, part in plan
+            ]
             for message, plan in zip(batch, plans, strict=True)
-            for partition, body, part in plan
         ]
-        await asyncio.gather(*publishing)
-        last = None
-        for message, plan in zip(batch, plans, strict=True):
-            if not _is_split(plan):
-                last = self.acks.finish(message.delivery_tag or 0) or last
-        await self._ack(last)
+        await asyncio.gather(*(task for tasks in publishing for task in tasks))
+        finished = []
+        for message, plan, tasks in zip(batch, plans, publishing, strict=True):
+            if all(task.result() for task in tasks):
+                if _is_split(plan):
+                    continue  # acknowledged once its parts have answered
+            else:
+                await self._dead_letter(message, plan)
+            finished.append(message.delivery_tag or 0)
+        await self._ack(self.acks.finish(finished))
 
-    async def _ack(self, last: int | None) -> None:
-        """Acknowledge up to ``last``; acknowledgements leave in increasing order (an older
-        one sent after a newer would name a tag the broker no longer knows)."""
-        if last is None:
-            return
+    async def _sent(
+        self,
+        message: aiormq.abc.DeliveredMessage,
+        partition: int,
+        body: bytes,
+        part: tuple[str, str, str | None] | None,
+    ) -> bool:
+        """Published (True); False when this command cannot be, whatever the broker does:
+        one hostile command never stops the router (a broker away still does, and every
+        command goes back to the queue)."""
+        try:
+            await self._publish(message, partition, body, part)
+        except ROUTER_ERRORS:
+            raise
+        except Exception:
+            log.exception(
+                "the router could not route a command; it is dead-lettered",
+                extra={"action": "router_refused"},
+            )
+            return False
+        return True
+
+    async def _dead_letter(self, message: aiormq.abc.DeliveredMessage, plan: list[Publish]) -> None:
+        """Keep a command that could not be routed in ``cronbus.commands.dead``, with why
+        (its own properties left out: they may be what could not be sent)."""
+        for _, _, part in plan:
+            if part is not None:
+                self.gathers.pop(part[1].partition(":")[0], None)
+        text, _ = _readable_properties(message)
+        reason = "internal: the router could not route this command; the error is logged"
+        await self.channel.basic_publish(
+            message.body,
+            exchange=keys.DEAD_LETTER_EXCHANGE,
+            routing_key=keys.dead_letter_queue(keys.COMMANDS_QUEUE),
+            properties=spec.Basic.Properties(
+                headers={
+                    keys.DEAD_REASON_HEADER: reason,
+                    keys.ROUTED_KEY_HEADER: text["routing_key"] or "",
+                },
+                delivery_mode=2,
+            ),
+        )
+        metrics.DEAD_LETTERED.labels(keys.COMMANDS_QUEUE).inc()
+
+    async def _ack(self, acks: list[tuple[int, bool]]) -> None:
+        """Send acks in the order they were decided (a tag settled by an earlier ack, named
+        again, would close the channel): callers decide and call without a wait between."""
         async with self.acking:
-            if last > self.acked:
-                self.acked = last
-                await self.channel.basic_ack(last, multiple=True)
+            for tag, multiple in acks:
+                await self.channel.basic_ack(tag, multiple=multiple)
 
-    async def _plan(self, message: aiormq.abc.DeliveredMessage) -> list[Publish]:
-        """The command's publishes: one to its partition, or one per part of a split."""
-        routing_key = message.routing_key or ""
-        namespace, _, verb = routing_key.partition(".")
+    async def _plans(self, batch: list[aiormq.abc.DeliveredMessage]) -> list[list[Publish]]:
+        """Each command's publishes: one to its partition, or one per part of a split. The
+        reply queues of the splits are asked about together (a slow answer holds up one
+        batch, not one command after another)."""
+        routes = [self._route_of(message) for message in batch]
+        splits = [n for n, (route, _) in enumerate(routes) if route.split]
+        answerable = await asyncio.gather(*(self._split_answerable(batch[n]) for n in splits))
+        split = {n for n, yes in zip(splits, answerable, strict=True) if yes}
+        plans: list[list[Publish]] = []
+        for n, (message, (route, parsed)) in enumerate(zip(batch, routes, strict=True)):
+            parts = self._parts(message, route, parsed["schedules"]) if n in split else None
+            if parts is None:
+                metrics.COMMANDS_ROUTED.labels("whole").inc()
+                plans.append([(route.partition, message.body, None)])
+            else:
+                metrics.COMMANDS_ROUTED.labels("split").inc()
+                plans.append(parts)
+        return plans
+
+    def _route_of(self, message: aiormq.abc.DeliveredMessage) -> tuple[partitions.Route, Any]:
+        namespace, _, verb = (message.routing_key or "").partition(".")
         parsed = self._parsed(message.body)
-        route = partitions.route_of(namespace, verb, parsed, self.settings.command_partitions)
-        if route.split and await self._split_answerable(message):
-            metrics.COMMANDS_ROUTED.labels("split").inc()
-            return self._parts(message, route, parsed["schedules"])
-        metrics.COMMANDS_ROUTED.labels("whole").inc()
-        return [(route.partition, message.body, None)]
+        partition_count = self.settings.command_partitions
+        return partitions.route_of(namespace, verb, parsed, partition_count), parsed
 
     def _parsed(self, body: bytes) -> Any:
         if len(body) > self.settings.max_command_bytes:
@@ -301,9 +372,11 @@ class Routing:
     async def _split_answerable(self, message: aiormq.abc.DeliveredMessage) -> bool:
         """Split only a command the intake would answer: any other goes whole, and the
         intake refuses it (and keeps it in the dead-letter queue) as it always has."""
+        if _readable_properties(message)[1]:
+            return False  # refused whole, by name, for its properties that are not UTF-8
         reply_to = message.header.properties.reply_to
-        if not reply_to or decoding.undecodable(reply_to):
-            return not reply_to
+        if not reply_to:
+            return True
         route = shape_of(reply_to).route
         if route is ReplyRoute.REFUSED:
             return False
@@ -340,8 +413,11 @@ class Routing:
             delivery_mode=2,
             correlation_id=text["correlation_id"] if part is None else part[1],
             reply_to=text["reply_to"] if part is None else part[0],
-            # Unreadable, it could not say when the command expires: it does not.
-            expiration=None if "expiration" in undecodable else text["expiration"],
+            # Unreadable, it could not say when the command expires: it does not. A part
+            # never expires: its command's reply waits for every part.
+            expiration=None
+            if "expiration" in undecodable or part is not None
+            else text["expiration"],
             # Our own id: the broker's return of an unroutable publish names it.
             message_id=uuid.uuid4().hex,
             timestamp=message.header.properties.timestamp,
@@ -362,7 +438,17 @@ class Routing:
 
     def _parts(
         self, message: aiormq.abc.DeliveredMessage, route: partitions.Route, items: list[Any]
-    ) -> list[Publish]:
+    ) -> list[Publish] | None:
+        """The parts' publishes, the gather waiting for their replies registered; None when
+        the parts cannot be written (the command then goes whole, and the intake refuses
+        what is wrong with it: orjson reads deeper nesting than it writes)."""
+        try:
+            bodies = [
+                codec.dumps({"schedules": [items[p] for p in part.positions]})
+                for part in route.parts
+            ]
+        except (TypeError, ValueError):
+            return None
         properties = message.header.properties
         gather_id = f"{next(self.router._ids)}"
         meta = Meta(
@@ -380,14 +466,14 @@ class Routing:
         return [
             (
                 part.partition,
-                codec.dumps({"schedules": [items[p] for p in part.positions]}),
+                body,
                 (
                     self.parts_queue,
                     f"{gather_id}:{n}",
                     None if message_id is None else f"{message_id}#{part.partition}",
                 ),
             )
-            for n, part in enumerate(route.parts)
+            for n, (part, body) in enumerate(zip(route.parts, bodies, strict=True))
         ]
 
     async def _on_part_reply(self, message: aiormq.abc.DeliveredMessage) -> None:
@@ -418,7 +504,7 @@ class Routing:
                     what="upsert_many reply",
                     stopping=self.router.stopping,
                 )
-            await self._ack(self.acks.finish(gather.tag))
+            await self._ack(self.acks.finish([gather.tag]))
         except Exception as exc:  # noqa: BLE001 (any failure: the next router answers it)
             log.warning(
                 "a split upsert_many could not be answered; it is routed again",

@@ -36,6 +36,7 @@ from services.dispatcher.intake.receiving import (
     Received,
     audit_of,
     delivery_count,
+    provisional_turn,
     schedule_ids_of,
 )
 from services.dispatcher.intake.replays import Replays
@@ -116,27 +117,27 @@ class Intake:
         await message.ack()
 
     async def _apply(self, received: Received) -> dict[str, Any] | None:
-        """The reply to send (None: none may be sent)."""
+        """The reply to send (None: none may be sent).
+
+        Commands on one schedule take their turn in arrival order, before any wait: a
+        ``reply_to`` the broker must be asked about waits for the answer inside the turn, so
+        a later command on the schedule cannot overtake it meanwhile.
+        """
+        meta = received.meta
         try:
-            meta = received.meta
-            await transient.retry(
-                lambda: self.reply_queues.check(
-                    meta.reply_to, undecodable="reply_to" in meta.undecodable
-                ),
-                what="reply queue check",
-                stopping=self.stopping,
-            )
-            self.checks.validate(received)
-            assert received.namespace is not None and received.verb is not None
-            assert received.command is not None
-            namespace, verb, command = received.namespace, received.verb, received.command
-            # No await before the lock: commands on one schedule take it in arrival order.
-            async with self.order.turn(namespace, schedule_ids_of(received)):
-                reply = await transient.retry(
-                    lambda: self._execute(namespace, verb, command, received),
-                    what="command",
-                    stopping=self.stopping,
-                )
+            if self.reply_queues.must_ask(meta.reply_to):
+                max_bytes = self.settings.max_command_bytes
+                namespace, schedule_ids = provisional_turn(received, max_bytes)
+                async with self.order.turn(namespace, schedule_ids):
+                    await self._check_reply_to(received)
+                    self.checks.validate(received)
+                    reply = await self._executed(received)
+            else:
+                await self._check_reply_to(received)  # known: decided without a wait
+                self.checks.validate(received)
+                assert received.namespace is not None
+                async with self.order.turn(received.namespace, schedule_ids_of(received)):
+                    reply = await self._executed(received)
         except ValidationFailed as failure:
             refused = failure
             refusal = await transient.retry(
@@ -147,6 +148,26 @@ class Intake:
             return None if reply_to_refused(refused) else refusal
         metrics.COMMANDS.labels(received.verb, "ok").inc()
         return reply
+
+    async def _check_reply_to(self, received: Received) -> None:
+        meta = received.meta
+        await transient.retry(
+            lambda: self.reply_queues.check(
+                meta.reply_to, undecodable="reply_to" in meta.undecodable
+            ),
+            what="reply queue check",
+            stopping=self.stopping,
+        )
+
+    async def _executed(self, received: Received) -> dict[str, Any]:
+        assert received.namespace is not None and received.verb is not None
+        assert received.command is not None
+        namespace, verb, command = received.namespace, received.verb, received.command
+        return await transient.retry(
+            lambda: self._execute(namespace, verb, command, received),
+            what="command",
+            stopping=self.stopping,
+        )
 
     async def _execute(
         self, namespace: str, verb: str, command: models.Strict, received: Received

@@ -7,6 +7,7 @@ known, so that a refusal at any step can still audit and dead-letter as much as 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,9 +15,10 @@ from typing import Any
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.dispatcher import batch
-from shared.contract import commands, keys, models, validation
+from shared.contract import codec, commands, keys, models, validation
 from shared.contract.errors import ValidationFailed
 from shared.contract.rows import CommandAudit
+from shared.policy import partitions
 from shared.rabbitmq import amqp, decoding
 from shared.rules.plan import Plan
 from shared.runtime.config import DispatcherSettings
@@ -218,6 +220,23 @@ def audit_of(received: Received, outcome: str, error: dict[str, Any] | None = No
         message_id=meta.message_id,
         correlation_id=meta.correlation_id,
     )
+
+
+def provisional_turn(received: Received, max_bytes: int) -> tuple[str, list[str]]:
+    """The namespace and schedules a command names, read before it is checked (its turn is
+    taken before a wait for the broker): every schedule it may touch, as the checks will
+    find them. A body that does not parse, or over ``max_bytes`` (refused whole), names the
+    schedule ``""``."""
+    namespace, _, verb = received.meta.routing_key.partition(".")
+    parsed: Any = None
+    if len(received.body) <= max_bytes:
+        with contextlib.suppress(codec.DecodeError):
+            parsed = codec.loads(received.body)
+    if verb == "upsert_many" and isinstance(parsed, dict):
+        schedules = parsed.get("schedules")
+        if isinstance(schedules, list):
+            return namespace, [i for i in (schedule_id_of(s) for s in schedules) if i] or [""]
+    return namespace, [partitions.schedule_id_of(verb, parsed) or ""]
 
 
 def schedule_ids_of(received: Received) -> list[str]:

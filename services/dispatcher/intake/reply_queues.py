@@ -77,6 +77,12 @@ class ReplyQueues:
         if not verdict.answer:
             raise refused(reply_to, verdict.reason)
 
+    def must_ask(self, reply_to: str | None) -> bool:
+        """Whether ``check`` will wait for the broker (no verdict kept for this queue)."""
+        if not reply_to or replies.shape_of(reply_to).route is not Route.CHECK:
+            return False
+        return self.cache.get(reply_to, self.clock()) is None
+
     async def answerable(self, reply_to: str) -> bool:
         """``check`` as a yes or no (the router asks before splitting a command)."""
         try:
