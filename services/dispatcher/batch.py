@@ -182,7 +182,7 @@ def _apply_one(
         txn_now_ms,
     )
     index_write = rotation.index_write(item.namespace, item.schedule.id, plan, raw_plan, placement)
-    reply = {"ok": True, "created": not live, "schedule": view(row, now_ms)}
+    reply = {"ok": True, "created": not live, "schedule": view(row, now_ms, plan)}
     return _Applied(row, new_row, (index_write, version), _warned(reply, warnings))
 
 
