@@ -25,6 +25,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from services.dispatcher import batch
 from services.dispatcher.fence import Fence
+from services.dispatcher.intake.acks import Acks
 from services.dispatcher.intake.answers import Answers, reply_to_refused
 from services.dispatcher.intake.group_commit import CHANGE_VERBS, Committer
 from services.dispatcher.intake.index_writes import IndexWrites, Wake
@@ -75,6 +76,7 @@ class Intake:
         self.clock = clock
         self.checks = Checks(settings, self.now_ms)
         self.order = ArrivalOrder()
+        self.acks = Acks()
         self.reply_queues = reply_queues or ReplyQueues(settings.amqp_url)
         self.answers = Answers(store, channel, self.reply_queues)
         self.replays = Replays(store, index, wake)
@@ -92,6 +94,8 @@ class Intake:
         Whatever the input, the message ends acknowledged with a reply or a dead letter: an
         unexpected error is logged with its traceback and answered with code ``internal``.
         """
+        # Before any await: deliveries begin in the order of their tags (``ack_window``).
+        delivery = self.acks.begin(message)
         received = Received(message.body, Meta.of(message), delivery_count(message))
         try:
             reply = await self._apply(received)
@@ -102,7 +106,7 @@ class Intake:
                     stopping=self.stopping,
                 )
         except transient.Stopped:
-            await message.nack(requeue=True)
+            await self.acks.nack(message, delivery, requeue=True)
             return
         except Exception:
             log.exception(
@@ -113,7 +117,7 @@ class Intake:
                 },
             )
             await self.answers.fail_safely(received)
-        await message.ack()
+        await self.acks.ack(message, delivery)
 
     async def _apply(self, received: Received) -> dict[str, Any] | None:
         """The reply to send (None: none may be sent)."""
