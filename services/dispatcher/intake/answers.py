@@ -180,6 +180,8 @@ class Answers:
     async def _publish(
         self, channel: aiormq.abc.AbstractChannel, meta: Meta, reply: dict[str, Any]
     ) -> None:
+        # The broker's confirm is awaited, not the socket's drain: a drain per reply cost a
+        # wake-up of the connection's writer for each (the confirm says more anyway).
         await channel.basic_publish(
             codec.dumps(reply),
             exchange="",
@@ -187,6 +189,7 @@ class Answers:
             properties=aiormq.spec.Basic.Properties(
                 content_type="application/json", correlation_id=meta.correlation_id
             ),
+            wait=False,
         )
 
     def _unplaceable(self, reply_to: str) -> None:
