@@ -25,7 +25,8 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from services.dispatcher import batch
 from services.dispatcher.fence import Fence
-from services.dispatcher.intake.acks import Acks
+from services.dispatcher.intake.ack_window import MAX_HELD
+from services.dispatcher.intake.acks import Acks, Delivery
 from services.dispatcher.intake.answers import Answers, reply_to_refused
 from services.dispatcher.intake.group_commit import CHANGE_VERBS, Committer
 from services.dispatcher.intake.index_writes import IndexWrites, Wake
@@ -76,7 +77,8 @@ class Intake:
         self.clock = clock
         self.checks = Checks(settings, self.now_ms)
         self.order = ArrivalOrder()
-        self.acks = Acks()
+        # Finished commands held back behind a slow one: a small share of the prefetch window.
+        self.acks = Acks(max_held=min(MAX_HELD, settings.commands_prefetch // 4))
         self.reply_queues = reply_queues or ReplyQueues(settings.amqp_url)
         self.answers = Answers(store, channel, self.reply_queues)
         self.replays = Replays(store, index, wake)
@@ -96,6 +98,12 @@ class Intake:
         """
         # Before any await: deliveries begin in the order of their tags (``ack_window``).
         delivery = self.acks.begin(message)
+        try:
+            await self._answered(message, delivery)
+        finally:
+            self.acks.abandon(delivery)  # nothing, unless it ended without an ack or a nack
+
+    async def _answered(self, message: AbstractIncomingMessage, delivery: Delivery | None) -> None:
         received = Received(message.body, Meta.of(message), delivery_count(message))
         try:
             reply = await self._apply(received)

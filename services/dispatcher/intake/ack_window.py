@@ -6,7 +6,9 @@ schedules run concurrently). Deliveries are begun in the order of their tags (th
 starts each command as it arrives); should one ever begin out of order, the window stops
 trusting the order and acknowledges each delivery on its own from then on. Finished deliveries
 held back behind a slow command are acknowledged one by one once more than ``max_held`` of them
-wait, so that a stuck command cannot take the whole prefetch window with it.
+wait, so that a stuck command cannot take the whole prefetch window with it. A delivery
+abandoned (its command ended neither acknowledged nor given back) stays unsettled for good: no
+ack of several may cover it, and those after it are acknowledged one by one.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class AckWindow:
     finished: list[int] = field(default_factory=list)
     highest_begun: int = 0
     in_order: bool = True
+    #: The lowest delivery abandoned (None: none).
+    abandoned: int | None = None
 
     def begin(self, tag: int) -> None:
         if tag <= self.highest_begun:
@@ -57,6 +61,15 @@ class AckWindow:
         """The delivery was settled otherwise (a nack, sent before any later ack)."""
         self.in_progress.discard(tag)
 
+    def abandon(self, tag: int) -> bool:
+        """The delivery's command ended without an ack or a nack; False (and nothing done)
+        when it had one."""
+        if tag not in self.in_progress:
+            return False
+        self.in_progress.discard(tag)
+        self.abandoned = tag if self.abandoned is None else min(self.abandoned, tag)
+        return True
+
     def idle(self) -> bool:
         return not self.in_progress and not self.finished
 
@@ -66,9 +79,13 @@ class AckWindow:
             return []
         if not self.in_order:
             return self._one_by_one(self._take_finished(lambda _: True))
-        floor = self._lowest_in_progress()
+        floors = [f for f in (self._lowest_in_progress(), self.abandoned) if f is not None]
+        floor = min(floors, default=None)
         below = self._take_finished(lambda tag: floor is None or tag < floor)
         acks = [Ack(max(below), True, tuple(below))] if below else []
+        abandoned = self.abandoned
+        if abandoned is not None:
+            acks += self._one_by_one(self._take_finished(lambda tag: tag > abandoned))
         if len(self.finished) > self.max_held:
             acks += self._one_by_one(self._take_finished(lambda _: True))
         return acks

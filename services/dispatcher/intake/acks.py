@@ -17,7 +17,7 @@ import aiormq.abc
 from aio_pika.abc import AbstractIncomingMessage
 from aio_pika.exceptions import ChannelInvalidStateError
 
-from services.dispatcher.intake.ack_window import AckWindow
+from services.dispatcher.intake.ack_window import MAX_HELD, AckWindow
 
 # The package's logger: the intake's log lines keep one logger name whatever module writes them.
 log = logging.getLogger("services.dispatcher.intake")
@@ -34,7 +34,8 @@ class Delivery:
 class Acks:
     """Per channel, the window of deliveries and the flush that acknowledges them."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_held: int = MAX_HELD) -> None:
+        self.max_held = max_held
         self._windows: dict[aiormq.abc.AbstractChannel, AckWindow] = {}
         self._flushing: set[aiormq.abc.AbstractChannel] = set()
         self._waiters: dict[tuple[int, int], asyncio.Future[None]] = {}
@@ -51,7 +52,10 @@ class Acks:
             return None
         if tag is None:
             return None
-        self._windows.setdefault(channel, AckWindow()).begin(tag)
+        window = self._windows.get(channel)
+        if window is None:
+            window = self._windows[channel] = AckWindow(self.max_held)
+        window.begin(tag)
         return Delivery(channel, tag)
 
     async def ack(self, message: AbstractIncomingMessage, delivery: Delivery | None) -> None:
@@ -73,9 +77,18 @@ class Acks:
         try:
             await message.nack(requeue=requeue)
         finally:
-            if delivery is not None:
-                self._windows[delivery.channel].drop(delivery.tag)
+            window = None if delivery is None else self._windows.get(delivery.channel)
+            if delivery is not None and window is not None:
+                window.drop(delivery.tag)
                 self._flush_soon(delivery.channel)
+
+    def abandon(self, delivery: Delivery | None) -> None:
+        """The command ended without ``ack`` or ``nack`` (an error escaped it, or it was
+        cancelled): it stays unacknowledged, and no ack of several may cover it. Nothing
+        happens for a command that had its ack or nack."""
+        window = None if delivery is None else self._windows.get(delivery.channel)
+        if delivery is not None and window is not None and window.abandon(delivery.tag):
+            self._flush_soon(delivery.channel)
 
     def _flush_soon(self, channel: aiormq.abc.AbstractChannel) -> None:
         # One flush per channel at a time, on the next turn of the loop: the commands that

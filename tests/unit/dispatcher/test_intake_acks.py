@@ -76,6 +76,19 @@ def test_a_nacked_delivery_no_longer_holds_back_the_others() -> None:
     assert window.take() == [Ack(2, True, (2,))]
 
 
+def test_an_abandoned_delivery_is_never_covered_and_those_after_it_go_one_by_one() -> None:
+    window = AckWindow()
+    for tag in (1, 2, 3, 4):
+        window.begin(tag)
+    window.finish(1)
+    assert window.abandon(2)
+    window.finish(4)
+    assert window.take() == [Ack(1, True, (1,)), Ack(4, False, (4,))]
+    window.finish(3)
+    assert window.take() == [Ack(3, False, (3,))]
+    assert not window.abandon(3)  # it had its ack
+
+
 @st.composite
 def runs(draw: st.DrawFn) -> tuple[int, list[tuple[str, int]]]:
     """Deliveries 1..n begun in order, each finished (or nacked) at some later step, with
@@ -95,14 +108,14 @@ def runs(draw: st.DrawFn) -> tuple[int, list[tuple[str, int]]]:
             next_tag += 1
         elif choice == "end":
             tag = begun.pop(draw(st.integers(0, len(begun) - 1)))
-            steps.append((draw(st.sampled_from(["finish", "drop"])), tag))
+            steps.append((draw(st.sampled_from(["finish", "drop", "abandon"])), tag))
         else:
             steps.append(("take", 0))
     return draw(st.integers(1, 5)), steps
 
 
 @given(runs())
-def test_no_ack_settles_a_command_in_progress_and_every_finished_one_is_settled_once(
+def test_no_ack_settles_a_command_in_progress_or_abandoned_and_every_finished_one_once(
     run: tuple[int, list[tuple[str, int]]],
 ) -> None:
     max_held, steps = run
@@ -110,6 +123,7 @@ def test_no_ack_settles_a_command_in_progress_and_every_finished_one_is_settled_
     broker = Broker()
     in_progress: set[int] = set()
     finished: set[int] = set()
+    abandoned: set[int] = set()
     for kind, tag in steps:
         if kind == "begin":
             window.begin(tag)
@@ -119,6 +133,10 @@ def test_no_ack_settles_a_command_in_progress_and_every_finished_one_is_settled_
             window.finish(tag)
             in_progress.discard(tag)
             finished.add(tag)
+        elif kind == "abandon":
+            window.abandon(tag)
+            in_progress.discard(tag)
+            abandoned.add(tag)
         elif kind == "drop":
             window.drop(tag)
             in_progress.discard(tag)
@@ -126,8 +144,9 @@ def test_no_ack_settles_a_command_in_progress_and_every_finished_one_is_settled_
         else:
             for ack in window.take():
                 broker.apply(ack)
-                assert not set(ack.settles) & in_progress
+                assert not set(ack.settles) & (in_progress | abandoned)
     for ack in window.take():
         broker.apply(ack)
     assert sorted(broker.settled) == sorted(finished)
+    assert broker.unsettled == abandoned
     assert window.idle()
