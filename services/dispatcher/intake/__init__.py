@@ -25,8 +25,6 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from services.dispatcher import batch
 from services.dispatcher.fence import Fence
-from services.dispatcher.intake.ack_window import MAX_HELD
-from services.dispatcher.intake.acks import Acks, Delivery
 from services.dispatcher.intake.answers import Answers, reply_to_refused
 from services.dispatcher.intake.group_commit import CHANGE_VERBS, Committer
 from services.dispatcher.intake.index_writes import IndexWrites, Wake
@@ -77,8 +75,6 @@ class Intake:
         self.clock = clock
         self.checks = Checks(settings, self.now_ms)
         self.order = ArrivalOrder()
-        # Finished commands held back behind a slow one: a small share of the prefetch window.
-        self.acks = Acks(max_held=min(MAX_HELD, settings.commands_prefetch // 4))
         self.reply_queues = reply_queues or ReplyQueues(settings.amqp_url)
         self.answers = Answers(store, channel, self.reply_queues)
         self.replays = Replays(store, index, wake)
@@ -96,14 +92,6 @@ class Intake:
         Whatever the input, the message ends acknowledged with a reply or a dead letter: an
         unexpected error is logged with its traceback and answered with code ``internal``.
         """
-        # Before any await: deliveries begin in the order of their tags (``ack_window``).
-        delivery = self.acks.begin(message)
-        try:
-            await self._answered(message, delivery)
-        finally:
-            self.acks.abandon(delivery)  # nothing, unless it ended without an ack or a nack
-
-    async def _answered(self, message: AbstractIncomingMessage, delivery: Delivery | None) -> None:
         received = Received(message.body, Meta.of(message), delivery_count(message))
         try:
             reply = await self._apply(received)
@@ -114,7 +102,7 @@ class Intake:
                     stopping=self.stopping,
                 )
         except transient.Stopped:
-            await self.acks.nack(message, delivery, requeue=True)
+            await message.nack(requeue=True)
             return
         except Exception:
             log.exception(
@@ -125,7 +113,7 @@ class Intake:
                 },
             )
             await self.answers.fail_safely(received)
-        await self.acks.ack(message, delivery)
+        await message.ack()
 
     async def _apply(self, received: Received) -> dict[str, Any] | None:
         """The reply to send (None: none may be sent)."""
