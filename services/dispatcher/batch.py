@@ -37,6 +37,9 @@ class UpsertItem:
     #: The command's message_id and body: a replay is answered, a reuse is a conflict.
     message_id: str | None = None
     body: Any = None
+    #: Its reply shows only the schedule's id and version (an upsert_many's item: the
+    #: command's reply says no more of it, and the full view costs more than the rest).
+    brief: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +147,8 @@ def _apply_one(
         # Unless it resumes a schedule paused for it (pause_after_failures): that is a change.
         # No warnings: they say what this command makes the schedule do, and it does nothing
         # new (a once in the past fired when it was created, or is completed).
-        reply = {"ok": True, "created": False, "unchanged": True, "schedule": view(old, now_ms)}
+        shown = _brief(old) if item.brief else view(old, now_ms)
+        reply = {"ok": True, "created": False, "unchanged": True, "schedule": shown}
         return _Applied(old, None, None, reply)
     version = (old.version if old is not None else 0) + 1
     plan = dataclasses.replace(item.plan, version=version)
@@ -182,8 +186,13 @@ def _apply_one(
         txn_now_ms,
     )
     index_write = rotation.index_write(item.namespace, item.schedule.id, plan, raw_plan, placement)
-    reply = {"ok": True, "created": not live, "schedule": view(row, now_ms)}
+    shown = _brief(row) if item.brief else view(row, now_ms, plan)
+    reply = {"ok": True, "created": not live, "schedule": shown}
     return _Applied(row, new_row, (index_write, version), _warned(reply, warnings))
+
+
+def _brief(row: ScheduleRow) -> dict[str, Any]:
+    return {"id": row.id, "version": row.version}
 
 
 def _warned(reply: dict[str, Any], warnings: list[Any]) -> dict[str, Any]:

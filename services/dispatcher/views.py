@@ -33,8 +33,9 @@ def _next_fires(row: ScheduleRow, plan: Plan, now_ms: int) -> list[str]:
     return [timefmt.format_ms(t) for t in times]
 
 
-def view(row: ScheduleRow, now_ms: int) -> dict[str, Any]:
-    """A schedule as replies show it: the definition plus what cronbus assigns."""
+def view(row: ScheduleRow, now_ms: int, plan: Plan | None = None) -> dict[str, Any]:
+    """A schedule as replies show it: the definition plus what cronbus assigns. ``plan``: the
+    row's plan when the caller holds it already (decoding it again costs more than the rest)."""
     out = dict(row.definition)
     out.update(
         namespace=row.namespace,
@@ -44,7 +45,7 @@ def view(row: ScheduleRow, now_ms: int) -> dict[str, Any]:
         last_fire_at=None if row.last_fire_ms is None else timefmt.format_ms(row.last_fire_ms),
         next_fires=[]
         if row.state == "deleted"
-        else _next_fires(row, compact.decode(row.compact), now_ms),
+        else _next_fires(row, plan or compact.decode(row.compact), now_ms),
         created_at=timefmt.format_ms(row.created_ms),
         updated_at=timefmt.format_ms(row.updated_ms),
     )

@@ -288,14 +288,7 @@ class WebhookTarget(Strict):
     @field_validator("url")
     @classmethod
     def _url_is_http(cls, value: str) -> str:
-        if not HTTP_URL_RE.match(value):
-            raise ValueError("must be an absolute http:// or https:// URL")
-        if URL_CREDENTIALS_RE.match(value):
-            raise ValueError("must not carry credentials; put them in headers")
-        if any(ch.isspace() for ch in value) or CONTROL_RE.search(value):
-            raise ValueError("must not contain whitespace or control characters")
-        check_url_authority(value)
-        problem = netpolicy.url_problem(value)
+        problem = url_refusal(value)
         if problem is not None:
             raise ValueError(problem)
         return value
@@ -319,6 +312,8 @@ class WebhookTarget(Strict):
 
     @model_validator(mode="after")
     def _headers_are_set_once(self) -> WebhookTarget:
+        if not self.secret_headers:
+            return self  # nothing to clash with, and ``headers`` alone is bounded already
         plain = {name.lower() for name in self.headers}
         secret = {name.lower() for name in self.secret_headers}
         if len(plain) + len(secret) > MAX_HEADERS:
@@ -532,6 +527,24 @@ def check_labels(value: dict[str, str]) -> dict[str, str]:
         if CONTROL_RE.search(item):
             raise ValueError(f"label {key!r} must not contain control characters")
     return value
+
+
+# URLs repeat across schedules (a bulk import names one endpoint many times): judged once.
+# Bounded: at most 1024 URLs of at most 2048 characters (the field's max_length, checked first).
+@functools.lru_cache(maxsize=1024)
+def url_refusal(url: str) -> str | None:
+    """Why a webhook URL is refused (the field error's reason), or None."""
+    if not HTTP_URL_RE.match(url):
+        return "must be an absolute http:// or https:// URL"
+    if URL_CREDENTIALS_RE.match(url):
+        return "must not carry credentials; put them in headers"
+    if any(ch.isspace() for ch in url) or CONTROL_RE.search(url):
+        return "must not contain whitespace or control characters"
+    try:
+        check_url_authority(url)
+    except ValueError as exc:
+        return str(exc)
+    return netpolicy.url_problem(url)
 
 
 def check_url_authority(url: str) -> None:

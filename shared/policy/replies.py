@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import functools
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -83,6 +84,9 @@ class BrokerAnswer(enum.Enum):
     OTHER = "other"
 
 
+# Asked several times per command, and clients answer on few queues: judged once per name.
+# Bounded: 1024 names of at most a short string's 255 bytes (AMQP's limit on reply_to).
+@functools.lru_cache(maxsize=1024)
 def shape_of(reply_to: str) -> Shape:
     """Which route a ``reply_to`` takes, from its name alone."""
     if reply_to == keys.DIRECT_REPLY_TO:

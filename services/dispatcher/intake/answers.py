@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import aiormq
 import aiormq.abc
@@ -180,13 +180,17 @@ class Answers:
     async def _publish(
         self, channel: aiormq.abc.AbstractChannel, meta: Meta, reply: dict[str, Any]
     ) -> None:
-        await channel.basic_publish(
+        # The broker's confirm is awaited, not the socket's drain: a drain per reply cost a
+        # wake-up of the connection's writer for each (the confirm says more anyway). The
+        # protocol channel takes ``wait``; its abstract class does not name it.
+        await cast(aiormq.Channel, channel).basic_publish(
             codec.dumps(reply),
             exchange="",
             routing_key=meta.reply_to or "",
             properties=aiormq.spec.Basic.Properties(
                 content_type="application/json", correlation_id=meta.correlation_id
             ),
+            wait=False,
         )
 
     def _unplaceable(self, reply_to: str) -> None:

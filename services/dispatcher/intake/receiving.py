@@ -182,7 +182,7 @@ class Checks:
             received.parsed = validation.parse_body(received.body)
         except ValidationFailed as failure:
             raise Unparseable(failure.code, str(failure), failure.details) from None
-        received.command = validation.parse_command(verb, received.parsed)
+        received.command = validation.parse_command(verb, received.parsed, received.body)
         if isinstance(received.command, commands.UpsertCommand):
             received.plan = validation.check_schedule(
                 received.command.schedule, 0, self.now_ms(), self.policy, namespace=namespace
@@ -201,7 +201,7 @@ class Checks:
             plan = validation.check_schedule(item, 0, now_ms, self.policy, namespace=namespace)
         except ValidationFailed as failure:
             return failure
-        return batch.UpsertItem(namespace, item, plan)
+        return batch.UpsertItem(namespace, item, plan, brief=True)
 
 
 def audit_of(received: Received, outcome: str, error: dict[str, Any] | None = None) -> CommandAudit:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.contract import commands, models, timefmt, validation
+from shared.contract import codec, commands, models, timefmt, validation
 from shared.contract.errors import ValidationFailed
 from shared.rules import schedule as schedule_math
 
@@ -616,3 +616,34 @@ def test_a_refused_webhook_names_the_setting_that_refuses_it(
     assert detail["field"] == "target.url" and setting in detail["reason"]
     if "DENIED" in setting:
         assert "private, local or reserved" not in detail["reason"]
+
+
+_JSON_TEXT = st.text(alphabet=st.sampled_from(["a", "\x00", "\\", "u", "0", "{", "["]), max_size=6)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | _JSON_TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_JSON_TEXT, inner, max_size=3),
+    max_leaves=80,
+)
+
+
+def _nested(value: Any, depth: int) -> Any:
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@given(_JSON, st.integers(0, 70))
+def test_a_body_plainly_structured_by_its_bytes_has_no_structural_problem(
+    value: Any, depth: int
+) -> None:
+    body = {"x": _nested(value, depth)}
+    raw = codec.dumps(body)
+    if validation.plainly_structured(raw):
+        assert validation.structural_problems(body) == []
+
+
+def test_a_nul_or_deep_nesting_is_never_plainly_structured() -> None:
+    assert not validation.plainly_structured(codec.dumps({"id": "a\x00"}))
+    assert not validation.plainly_structured(codec.dumps({"a\x00": 1}))
+    assert not validation.plainly_structured(codec.dumps(_nested(1, validation.MAX_DEPTH)))
+    assert validation.plainly_structured(codec.dumps({"schedule": {"id": "a", "spec": {}}}))

@@ -133,3 +133,23 @@ def test_the_same_definition_resumes_a_schedule_paused_without_its_asking() -> N
     (again,) = batch.apply_upserts([item("a", 60)], {("ns", "a"): paused}, NOW, NOW).results
     assert isinstance(again, dict) and "unchanged" not in again
     assert again["schedule"]["state"] == "active" and again["schedule"]["version"] == 2
+
+
+def test_a_brief_item_is_applied_as_a_full_one_and_its_reply_names_id_and_version() -> None:
+    full = batch.apply_upserts([item("a", 60), item("a", 120)], {}, NOW, NOW)
+    brief_items = [dataclasses.replace(i, brief=True) for i in (item("a", 60), item("a", 120))]
+    brief = batch.apply_upserts(brief_items, {}, NOW, NOW)
+    assert brief.rows == full.rows and brief.index_writes == full.index_writes
+    for short, long in zip(brief.results, full.results, strict=True):
+        assert isinstance(short, dict) and isinstance(long, dict)
+        assert short["schedule"] == {k: long["schedule"][k] for k in ("id", "version")}
+        assert {**short, "schedule": None} == {**long, "schedule": None}
+    row = full.rows[("ns", "a")]
+    stored = {("ns", "a"): batch._stored(row, NOW, NOW)}
+    (again,) = batch.apply_upserts([brief_items[1]], stored, NOW, NOW).results
+    assert again == {
+        "ok": True,
+        "created": False,
+        "unchanged": True,
+        "schedule": {"id": "a", "version": 2},
+    }
