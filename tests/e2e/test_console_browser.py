@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import StaleElementReferenceException
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from cronbus.cli.sink import Sink
@@ -70,8 +70,22 @@ def _goes_to_next_page(browser: WebDriver, action: Callable[[], object]) -> None
     leaving = browser.find_element(By.TAG_NAME, "html")
     action()
     wait = WebDriverWait(browser, PAGE_TIMEOUT_S)
-    wait.until(expected_conditions.staleness_of(leaving))
+    wait.until(lambda _: _left(leaving))
     wait.until(lambda driver: driver.execute_script("return document.readyState") == "complete")
+
+
+def _left(element: WebElement) -> bool:
+    """Whether ``element``'s page is gone. Chrome sometimes says so as an inspector error
+    rather than as a stale element (seen on a loaded machine): both mean the same."""
+    try:
+        element.is_enabled()
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as exc:
+        if "does not belong to the document" in str(exc):
+            return True
+        raise
+    return False
 
 
 async def _eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
