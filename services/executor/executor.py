@@ -17,7 +17,8 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -110,6 +111,21 @@ def _poison_reason(headers: Mapping[str, Any]) -> str:
     why = _text(headers.get("x-first-death-reason", "rejected"))
     count = _text(headers.get("x-delivery-count", "too many"))
     return f"delivery message dead-lettered ({why}, delivered {count} times)"
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """A delivery attempt that ended, waiting to be settled."""
+
+    occ: Occurrence
+    key: str
+    #: The Redis clock when it was begun (ms).
+    now: int
+    outcome: Outcome
+    started: int
+    finished: int
+    #: The Redis clock when it ended (``now`` plus the host's time since it was begun).
+    settled_now: int
 
 
 class Executor:
@@ -236,11 +252,14 @@ class Executor:
             return
         try:
             await self.audit.wait_for_room()
-            live = await self.hold(occurrences)
-            try:
-                await asyncio.gather(*(self.process(occ) for occ in live))
-            finally:
-                self._stop_waiting(live)
+            if self.fair_slots.take_now(len(occurrences)):
+                await self._run_together(occurrences)
+            else:
+                live = await self.hold(occurrences)
+                try:
+                    await asyncio.gather(*(self.process(occ) for occ in live))
+                finally:
+                    self._stop_waiting(live)
         except (transient.Stopped, asyncio.CancelledError) as exc:
             # Handed back: the redelivery's fencing skips whatever was settled already.
             with contextlib.suppress(Exception):
@@ -259,6 +278,108 @@ class Executor:
         with contextlib.suppress(*transient.ERRORS):
             # If the ack is lost the broker redelivers, and fencing skips what is settled.
             await message.ack()
+
+    async def _run_together(self, occurrences: Sequence[Occurrence]) -> None:
+        """A message whose occurrences all found a free slot (taken at once): nothing waits,
+        so there is no separate hold. They are begun in one round trip, judged (misfire,
+        admission) without one where nothing special applies, delivered concurrently, and
+        settled together in waves as their deliveries end (each within its own lease)."""
+        unused = len(occurrences)
+        attempts: set[asyncio.Future[_Attempt | None]] = set()
+        try:
+            begun = self.now_ms()
+            items = [
+                (occ.shard, (occ.member, occ.token, occ.plan.target.timeout_ms + self.lease_ms))
+                for occ in occurrences
+            ]
+            results = await transient.retry(
+                lambda: self._begin.submit_many(items), what="begin", stopping=self.stopping
+            )
+            skipped: list[tuple[Occurrence, Settlement]] = []
+            for occ, now in zip(occurrences, results, strict=True):
+                if now is None:
+                    metrics.STALE.labels("begin").inc()
+                    unused -= 1
+                    self.fair_slots.release()
+                    continue
+                self._holding[(occ.shard, occ.member)] = occ.token
+                key = occ.idempotency_key
+                chosen = settle.missed_choice(occ, now)
+                if chosen != occ.nominal_ms:
+                    unused -= 1
+                    self.fair_slots.release()
+                    self._log_misfire(occ, chosen)
+                    skipped.append((occ, settle.skip(occ, key, chosen, now)))
+                    continue
+                attempt = asyncio.ensure_future(self._attempt(occ, key, now, begun))
+                unused -= 1
+                attempt.add_done_callback(self._release_slot)
+                attempts.add(attempt)
+            await self._settle_many(skipped)
+            await self._settle_attempts(attempts)
+        finally:
+            for pending in attempts:
+                pending.cancel()
+            for _ in range(unused):
+                self.fair_slots.release()
+
+    def _release_slot(self, _: object) -> None:
+        self.fair_slots.release()
+
+    async def _settle_attempts(self, attempts: set[asyncio.Future[_Attempt | None]]) -> None:
+        """Settle attempts as they end, those ending together in one batch; a failure (a bug)
+        is raised once the others are settled, as gathering them did."""
+        failure: BaseException | None = None
+        while attempts:
+            done, pending = await asyncio.wait(attempts, return_when=asyncio.FIRST_COMPLETED)
+            attempts.clear()
+            attempts.update(pending)
+            ended: list[_Attempt] = []
+            for future in done:
+                if future.cancelled():
+                    continue
+                if future.exception() is not None:
+                    failure = failure or future.exception()
+                    continue
+                result = future.result()
+                if result is not None:
+                    ended.append(result)
+            await self._settle_many(
+                [
+                    (
+                        a.occ,
+                        settle.settle(
+                            a.occ, a.key, a.outcome, a.now, a.settled_now, a.settled_now, self.rng
+                        ),
+                    )
+                    for a in ended
+                ]
+            )
+            if self.spans is not None:
+                for a in ended:
+                    self._record_spans(a.occ, a.key, a.outcome, a.started, a.finished)
+        if failure is not None:
+            raise failure
+
+    async def _attempt(self, occ: Occurrence, key: str, now: int, begun: int) -> _Attempt | None:
+        """One occurrence's admission and delivery, in the slot taken for it; None when its
+        rate key held it (parked, not settled)."""
+        admission: limits.Admission | None = None
+        if not self.amqp_targets.refuses(occ):
+            admission = self.limits.admitted_now(occ)
+            if admission is None:
+                admission = await self.limits.admit(occ)
+                if admission.code == limits.HELD:
+                    await self._park(occ, admission)
+                    return None
+                if admission.code == limits.WAIT:
+                    await asyncio.sleep(admission.ms / 1000)
+        outcome, started, finished = await self._deliver(occ, key)
+        settled_now = now + (finished - begun)
+        outcome = self.limits.capped(outcome)
+        if admission is not None:
+            await self.limits.report(occ, admission, outcome)
+        return _Attempt(occ, key, now, outcome, started, finished, settled_now)
 
     def _stop_waiting(self, occurrences: Sequence[Occurrence]) -> None:
         """A message given up (handed back, or parked as a bug): its leases are no longer
@@ -472,6 +593,46 @@ class Executor:
             metrics.BACKFILL_DELIVERED.labels(attempt_result).inc()
         return outcome, started, finished
 
+    async def _settle_many(self, settled: Sequence[tuple[Occurrence, Settlement]]) -> None:
+        """``_settle`` for many: their completions in one submission, their retries in
+        another (each joins the next batched round trip)."""
+        if not settled:
+            return
+        completions = [(occ.shard, s.completion) for occ, s in settled if s.completion is not None]
+        retries = [
+            (occ.shard, (occ.member, occ.token, s.retry_delay_ms or 0))
+            for occ, s in settled
+            if s.completion is None
+        ]
+        completed: list[int] = []
+        retried: list[int] = []
+        if completions:
+            completed = await transient.retry(
+                lambda: self._complete.submit_many(completions),
+                what="complete",
+                stopping=self.stopping,
+            )
+        if retries:
+            retried = await transient.retry(
+                lambda: self._retry.submit_many(retries), what="retry", stopping=self.stopping
+            )
+        completed_codes, retried_codes = iter(completed), iter(retried)
+        later: list[Awaitable[None]] = []
+        for occ, settlement in settled:
+            if settlement.completion is not None:
+                code = next(completed_codes)
+            else:
+                code = next(retried_codes)
+                if code:
+                    metrics.RETRIES.inc()
+            self._settled(occ, settlement, code)
+            if self.events.wanted(settlement.event):
+                later.append(self.events.publish(settlement.event, settlement.row))
+            if code and occ.plan.pause_after_failures is not None:
+                later.append(self.autopause.record(occ, settlement.event))
+        if later:
+            await asyncio.gather(*later)
+
     async def _settle(self, occ: Occurrence, settlement: Settlement) -> None:
         if settlement.completion is not None:
             completion = settlement.completion
@@ -489,6 +650,13 @@ class Executor:
             )
             if code:
                 metrics.RETRIES.inc()
+        self._settled(occ, settlement, code)
+        await self.events.publish(settlement.event, settlement.row)
+        if code:
+            await self.autopause.record(occ, settlement.event)
+
+    def _settled(self, occ: Occurrence, settlement: Settlement, code: int) -> None:
+        """What follows a settlement in Redis: counted, audited and logged."""
         self._holding.pop((occ.shard, occ.member), None)
         if not code:
             # Reclaimed or revoked while we delivered: another message carries it now.
@@ -500,9 +668,6 @@ class Executor:
         if code and occ.is_backfill and settlement.completion is not None:
             self.audit.add_backfill(_backfill_progress(occ, settlement.completion, code))
         self._log(occ, settlement)
-        await self.events.publish(settlement.event, settlement.row)
-        if code:
-            await self.autopause.record(occ, settlement.event)
 
     def _log(self, occ: Occurrence, settlement: Settlement) -> None:
         if settlement.event == "succeeded" and not log.isEnabledFor(logging.DEBUG):

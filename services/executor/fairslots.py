@@ -29,6 +29,14 @@ class FairSlots:
         finally:
             self.release()
 
+    def take_now(self, count: int) -> bool:
+        """Take ``count`` slots at once if they are free and nobody waits (each is given back
+        with ``release``); False, and nothing taken, otherwise."""
+        if self.free >= count and not self._waiting:
+            self.free -= count
+            return True
+        return False
+
     async def acquire(self, namespace: str) -> None:
         if self.free > 0 and not self._waiting:
             self.free -= 1
