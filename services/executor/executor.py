@@ -128,6 +128,61 @@ class _Attempt:
     settled_now: int
 
 
+class _Arrivals:
+    """Futures as they end, awaited a batch at a time: one callback per future, where
+    ``asyncio.wait`` would add and remove one on every future still pending, every time."""
+
+    def __init__(self) -> None:
+        self._done: set[asyncio.Future[Any]] = set()
+        self._wake: asyncio.Future[None] | None = None
+
+    def add(self, future: asyncio.Future[Any]) -> None:
+        self._done.add(future)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def next(self) -> set[asyncio.Future[Any]]:
+        """Those that ended since the last call (waiting for one if none did)."""
+        if not self._done:
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+        done, self._done = self._done, set()
+        return done
+
+
+class _Watched(set[asyncio.Future["_Attempt | None"]]):
+    """Attempts under way, each reported to ``arrivals`` when it ends."""
+
+    def __init__(self, arrivals: _Arrivals) -> None:
+        super().__init__()
+        self.arrivals = arrivals
+
+    def add(self, attempt: asyncio.Future[_Attempt | None]) -> None:
+        attempt.add_done_callback(self.arrivals.add)
+        super().add(attempt)
+
+
+def _ended(
+    done: set[asyncio.Future[Any]], attempts: set[asyncio.Future[_Attempt | None]]
+) -> tuple[list[_Attempt], BaseException | None]:
+    """The attempts among ``done`` (taken out of ``attempts``) that ended with something to
+    settle, and the first failure among them (a bug)."""
+    ended: list[_Attempt] = []
+    failure: BaseException | None = None
+    for attempt in done & attempts:
+        attempts.discard(attempt)
+        if attempt.cancelled():
+            continue
+        error = attempt.exception()
+        if error is not None:
+            failure = failure or error
+            continue
+        result = attempt.result()
+        if result is not None:
+            ended.append(result)
+    return ended, failure
+
+
 class Executor:
     def __init__(
         self,
@@ -255,11 +310,7 @@ class Executor:
             if self.fair_slots.take_now(len(occurrences)):
                 await self._run_together(occurrences)
             else:
-                live = await self.hold(occurrences)
-                try:
-                    await asyncio.gather(*(self.process(occ) for occ in live))
-                finally:
-                    self._stop_waiting(live)
+                await self._run_when_slots(occurrences)
         except (transient.Stopped, asyncio.CancelledError) as exc:
             # Handed back: the redelivery's fencing skips whatever was settled already.
             with contextlib.suppress(Exception):
@@ -281,85 +332,127 @@ class Executor:
 
     async def _run_together(self, occurrences: Sequence[Occurrence]) -> None:
         """A message whose occurrences all found a free slot (taken at once): nothing waits,
-        so there is no separate hold. They are begun in one round trip, judged (misfire,
-        admission) without one where nothing special applies, delivered concurrently, and
-        settled together in waves as their deliveries end (each within its own lease)."""
-        unused = len(occurrences)
-        attempts: set[asyncio.Future[_Attempt | None]] = set()
+        so there is no separate hold."""
+        await self._deliver_as_granted(occurrences, {})
+
+    async def _run_when_slots(self, occurrences: Sequence[Occurrence]) -> None:
+        """A message that must wait for slots: its occurrences are held (their leases kept
+        alive meanwhile) and each claims a slot; those granted together start together."""
+        live = await self.hold(occurrences)
+        claims = {self.fair_slots.claim(occ.namespace): occ for occ in live}
+        try:
+            await self._deliver_as_granted((), claims)
+        finally:
+            self._stop_waiting(live)
+
+    async def _deliver_as_granted(
+        self,
+        granted: Sequence[Occurrence],
+        claims: dict[asyncio.Future[None], Occurrence],
+    ) -> None:
+        """Occurrences holding a slot (``granted``) and occurrences waiting for one
+        (``claims``), in waves: those granted together are begun in one round trip, judged
+        (misfire, admission) without one where nothing special applies, and delivered
+        concurrently; those whose deliveries end together are settled together (each within
+        its own lease). A failure (a bug) is raised once the others are settled, as gathering
+        them did."""
+        arrivals = _Arrivals()
+        waiting = set(claims)
+        for claim in waiting:
+            claim.add_done_callback(arrivals.add)
+        attempts = _Watched(arrivals)
+        failure: BaseException | None = None
+        try:
+            if granted:
+                await self._start(granted, attempts)
+            while waiting or attempts:
+                done = await arrivals.next()
+                now_granted = self._granted(done, waiting, claims)
+                ended, failed = _ended(done, attempts)
+                failure = failure or failed
+                if now_granted:
+                    await self._start(now_granted, attempts)
+                if ended:
+                    await self._settle_ended(ended)
+        finally:
+            for claim in waiting:
+                self.fair_slots.withdraw(claims[claim].namespace, claim)
+            for attempt in attempts:
+                attempt.cancel()
+        if failure is not None:
+            raise failure
+
+    def _granted(
+        self,
+        done: set[asyncio.Future[Any]],
+        waiting: set[asyncio.Future[None]],
+        claims: dict[asyncio.Future[None], Occurrence],
+    ) -> list[Occurrence]:
+        """The occurrences whose claims were granted (no longer waiting: their leases are
+        no longer kept alive here; begin extends them)."""
+        granted = []
+        for claim in done & waiting:
+            waiting.discard(claim)
+            occ = claims[claim]
+            self._waiting.pop((occ.shard, occ.member), None)
+            granted.append(occ)
+        return granted
+
+    async def _start(self, granted: Sequence[Occurrence], attempts: _Watched) -> None:
+        """Begin occurrences holding a slot each, in one round trip; their attempts go into
+        ``attempts``, each giving its slot back when it ends. A stale one gives its slot back
+        at once, as does one the misfire policy skips (settled here, nothing delivered)."""
+        unused = len(granted)
         try:
             begun = self.now_ms()
             items = [
                 (occ.shard, (occ.member, occ.token, occ.plan.target.timeout_ms + self.lease_ms))
-                for occ in occurrences
+                for occ in granted
             ]
             results = await transient.retry(
                 lambda: self._begin.submit_many(items), what="begin", stopping=self.stopping
             )
             skipped: list[tuple[Occurrence, Settlement]] = []
-            for occ, now in zip(occurrences, results, strict=True):
+            for occ, now in zip(granted, results, strict=True):
+                unused -= 1
                 if now is None:
                     metrics.STALE.labels("begin").inc()
-                    unused -= 1
                     self.fair_slots.release()
                     continue
                 self._holding[(occ.shard, occ.member)] = occ.token
                 key = occ.idempotency_key
                 chosen = settle.missed_choice(occ, now)
                 if chosen != occ.nominal_ms:
-                    unused -= 1
                     self.fair_slots.release()
                     self._log_misfire(occ, chosen)
                     skipped.append((occ, settle.skip(occ, key, chosen, now)))
                     continue
                 attempt = asyncio.ensure_future(self._attempt(occ, key, now, begun))
-                unused -= 1
                 attempt.add_done_callback(self._release_slot)
                 attempts.add(attempt)
-            await self._settle_many(skipped)
-            await self._settle_attempts(attempts)
         finally:
-            for pending in attempts:
-                pending.cancel()
             for _ in range(unused):
                 self.fair_slots.release()
+        await self._settle_many(skipped)
 
     def _release_slot(self, _: object) -> None:
         self.fair_slots.release()
 
-    async def _settle_attempts(self, attempts: set[asyncio.Future[_Attempt | None]]) -> None:
-        """Settle attempts as they end, those ending together in one batch; a failure (a bug)
-        is raised once the others are settled, as gathering them did."""
-        failure: BaseException | None = None
-        while attempts:
-            done, pending = await asyncio.wait(attempts, return_when=asyncio.FIRST_COMPLETED)
-            attempts.clear()
-            attempts.update(pending)
-            ended: list[_Attempt] = []
-            for future in done:
-                if future.cancelled():
-                    continue
-                if future.exception() is not None:
-                    failure = failure or future.exception()
-                    continue
-                result = future.result()
-                if result is not None:
-                    ended.append(result)
-            await self._settle_many(
-                [
-                    (
-                        a.occ,
-                        settle.settle(
-                            a.occ, a.key, a.outcome, a.now, a.settled_now, a.settled_now, self.rng
-                        ),
-                    )
-                    for a in ended
-                ]
-            )
-            if self.spans is not None:
-                for a in ended:
-                    self._record_spans(a.occ, a.key, a.outcome, a.started, a.finished)
-        if failure is not None:
-            raise failure
+    async def _settle_ended(self, ended: Sequence[_Attempt]) -> None:
+        await self._settle_many(
+            [
+                (
+                    a.occ,
+                    settle.settle(
+                        a.occ, a.key, a.outcome, a.now, a.settled_now, a.settled_now, self.rng
+                    ),
+                )
+                for a in ended
+            ]
+        )
+        if self.spans is not None:
+            for a in ended:
+                self._record_spans(a.occ, a.key, a.outcome, a.started, a.finished)
 
     async def _attempt(self, occ: Occurrence, key: str, now: int, begun: int) -> _Attempt | None:
         """One occurrence's admission and delivery, in the slot taken for it; None when its
