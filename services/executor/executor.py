@@ -170,10 +170,12 @@ class Executor:
             return
         try:
             await self.audit.wait_for_room()
-            if self.fair_slots.take_now(len(occurrences)):
-                await self._run_together(occurrences)
+            free = self.fair_slots.take_now(len(occurrences))
+            if free == len(occurrences):
+                # Nothing waits for a slot: no hold, begun right away.
+                await self._deliver_as_granted(occurrences, {})
             else:
-                await self._run_when_slots(occurrences)
+                await self._run_when_slots(occurrences, free)
         except (transient.Stopped, asyncio.CancelledError) as exc:
             # Handed back: the redelivery's fencing skips whatever was settled already.
             with contextlib.suppress(Exception):
@@ -193,18 +195,19 @@ class Executor:
             # If the ack is lost the broker redelivers, and fencing skips what is settled.
             await message.ack()
 
-    async def _run_together(self, occurrences: Sequence[Occurrence]) -> None:
-        """A message whose occurrences all found a free slot (taken at once): nothing waits,
-        so there is no separate hold."""
-        await self._deliver_as_granted(occurrences, {})
-
-    async def _run_when_slots(self, occurrences: Sequence[Occurrence]) -> None:
-        """A message that must wait for slots: its occurrences are held (their leases kept
-        alive meanwhile) and each claims a slot; those granted together start together."""
-        live = await self.hold(occurrences)
+    async def _run_when_slots(self, occurrences: Sequence[Occurrence], free: int) -> None:
+        """A message with slots for its first ``free`` occurrences only (taken): the others
+        are held (their leases kept alive meanwhile) and each claims a slot; those granted
+        together start together."""
+        try:
+            live = await self.hold(occurrences[free:])
+        except BaseException:
+            for _ in range(free):
+                self.fair_slots.release()
+            raise
         claims = {self.fair_slots.claim(occ.namespace): occ for occ in live}
         try:
-            await self._deliver_as_granted((), claims)
+            await self._deliver_as_granted(occurrences[:free], claims)
         finally:
             self._stop_waiting(live)
 

@@ -29,13 +29,14 @@ class FairSlots:
         finally:
             self.release()
 
-    def take_now(self, count: int) -> bool:
-        """Take ``count`` slots at once if they are free and nobody waits (each is given back
-        with ``release``); False, and nothing taken, otherwise."""
-        if self.free >= count and not self._waiting:
-            self.free -= count
-            return True
-        return False
+    def take_now(self, count: int) -> int:
+        """Take up to ``count`` of the free slots at once when nobody waits (each is given
+        back with ``release``); how many were taken."""
+        if self._waiting:
+            return 0
+        taken = min(count, self.free)
+        self.free -= taken
+        return taken
 
     def claim(self, namespace: str) -> asyncio.Future[None]:
         """A slot for ``namespace``, as a future: done at once when one is free, or when one
