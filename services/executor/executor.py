@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 BATCH_ITEMS = 2000
 #: Wake the dispatchers for occurrences due within this long (they sleep at most a second).
 WAKE_HORIZON_MS = 1500
+#: Longest wait of a begin or gate call for others to share its round trip (lateness).
+BEGIN_FLUSH_MS = 5
 
 
 class Executor:
@@ -70,6 +72,8 @@ class Executor:
         self.stopping = stopping
         self.clock = clock
         self.rng = random.Random()
+        #: Calls on the way to a delivery (fencing, rate gates) wait less than completions.
+        self.begin_flush_ms = min(settings.complete_flush_ms, BEGIN_FLUSH_MS)
         #: Delivery slots, handed to the namespaces with waiters in turn.
         self.fair_slots = FairSlots(settings.concurrency)
         self.autopause = AutoPause(index, audit.store, events, stopping, settings.complete_flush_ms)
@@ -86,7 +90,7 @@ class Executor:
             settings,
             stopping,
             self.now_ms,
-            settings.complete_flush_ms,
+            self.begin_flush_ms,
             on_close=self.parking.nudge,
         )
         self.lease_ms = round(settings.lease_s * 1000)
@@ -97,7 +101,7 @@ class Executor:
         self._waiting: dict[tuple[int, str], int] = {}
         self._begin = Batcher(
             self._flush_begin,
-            max_delay_ms=settings.complete_flush_ms,
+            max_delay_ms=self.begin_flush_ms,
             max_items=BATCH_ITEMS,
             name="begin",
         )
@@ -301,15 +305,12 @@ class Executor:
                     skipped.append((occ, settle.skip(occ, key, chosen, now)))
                     continue
                 attempt = asyncio.ensure_future(self._attempt(occ, key, now, begun))
-                attempt.add_done_callback(self._release_slot)
+                attempt.add_done_callback(lambda _: self.fair_slots.release())
                 attempts.add(attempt)
         finally:
             for _ in range(unused):
                 self.fair_slots.release()
         await self._settle_many(skipped)
-
-    def _release_slot(self, _: object) -> None:
-        self.fair_slots.release()
 
     async def _settle_ended(self, ended: Sequence[waves.Attempt]) -> None:
         await self._settle_many(
