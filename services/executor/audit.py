@@ -62,10 +62,16 @@ class AuditWriter:
         self._room.set()
         self._wake = asyncio.Event()
 
-    def add(self, row: ExecutionRow, checkpoint: Checkpoint | None) -> None:
+    def add(self, row: ExecutionRow, checkpoint: Checkpoint | None, *, update: bool = True) -> None:
+        """``update=False``: the caller adds more at once, and calls ``update`` after."""
         self.rows.append(row)
         if checkpoint is not None:
             self.checkpoints.append(checkpoint)
+        if update:
+            self._update()
+
+    def update(self) -> None:
+        """After rows added with ``update=False``: the gauge, and the buffer's limit."""
         self._update()
 
     def add_backfill(self, progress: BackfillProgress) -> None:

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from services.executor import limits, settle
+from services.executor import limits, settle, tally, waves
 from services.executor.audit import AuditWriter
 from services.executor.autopause import AutoPause
 from services.executor.events import Events
@@ -33,7 +32,6 @@ from services.executor.targets import AmqpTargets, Webhooks
 from shared.contract import delivery
 from shared.contract.delivery import Occurrence
 from shared.contract.entries import Completion
-from shared.contract.rows import BackfillProgress
 from shared.redis.batcher import Batcher
 from shared.redis.index import Index
 from shared.rules.plan import WebhookPlan
@@ -43,73 +41,11 @@ from shared.runtime.spans import Spans
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 BATCH_ITEMS = 2000
 #: Wake the dispatchers for occurrences due within this long (they sleep at most a second).
 WAKE_HORIZON_MS = 1500
-
-
-def _by_shard(items: Sequence[tuple[int, T]]) -> dict[int, list[T]]:
-    grouped: dict[int, list[T]] = defaultdict(list)
-    for shard, item in items:
-        grouped[shard].append(item)
-    return grouped
-
-
-def _in_order(items: Sequence[tuple[int, object]], codes: dict[int, list[int]]) -> list[int]:
-    """Per-shard results back into the order the items were submitted in."""
-    cursors = dict.fromkeys(codes, 0)
-    ordered = []
-    for shard, _ in items:
-        ordered.append(codes[shard][cursors[shard]])
-        cursors[shard] += 1
-    return ordered
-
-
-@functools.lru_cache(maxsize=4096)
-def _namespace_outcomes(labels: metrics.NamespaceLabels, namespace: str, event: str) -> Any:
-    """The counter's child of a namespace and outcome: labels() costs a lookup per call, and
-    a namespace keeps its label once given (``labels`` is in the key: it is replaced when an
-    executor starts)."""
-    return metrics.NAMESPACE_OUTCOMES.labels(labels(namespace), event)
-
-
-@functools.lru_cache(maxsize=64)
-def _delivered(kind: str, result: str) -> Any:
-    return metrics.DELIVERED.labels(kind, result)
-
-
-@functools.lru_cache(maxsize=8)
-def _delivery_duration(kind: str) -> Any:
-    return metrics.DELIVERY_DURATION.labels(kind)
-
-
-def _count_outcome(namespace: str, settlement: Settlement) -> None:
-    _namespace_outcomes(metrics.NAMESPACES, namespace, settlement.event).inc()
-    if settlement.row.excluded:
-        _namespace_outcomes(metrics.NAMESPACES, namespace, "excluded").inc(settlement.row.excluded)
-
-
-def _backfill_progress(occ: Occurrence, completion: Completion, code: int) -> BackfillProgress:
-    """complete.lua answers a backfill member with 1 + the occurrences its backfill has left."""
-    left = code - 1
-    return BackfillProgress(
-        occ.namespace,
-        occ.id,
-        occ.backfill_generation,
-        completion.next_fire_ms if left > 0 else None,
-        left,
-    )
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _poison_reason(headers: Mapping[str, Any]) -> str:
-    why = _text(headers.get("x-first-death-reason", "rejected"))
-    count = _text(headers.get("x-delivery-count", "too many"))
-    return f"delivery message dead-lettered ({why}, delivered {count} times)"
+#: Longest wait of a begin or gate call for others to share its round trip (lateness).
+BEGIN_FLUSH_MS = 5
 
 
 class Executor:
@@ -136,6 +72,8 @@ class Executor:
         self.stopping = stopping
         self.clock = clock
         self.rng = random.Random()
+        #: Calls on the way to a delivery (fencing, rate gates) wait less than completions.
+        self.begin_flush_ms = min(settings.complete_flush_ms, BEGIN_FLUSH_MS)
         #: Delivery slots, handed to the namespaces with waiters in turn.
         self.fair_slots = FairSlots(settings.concurrency)
         self.autopause = AutoPause(index, audit.store, events, stopping, settings.complete_flush_ms)
@@ -152,7 +90,7 @@ class Executor:
             settings,
             stopping,
             self.now_ms,
-            settings.complete_flush_ms,
+            self.begin_flush_ms,
             on_close=self.parking.nudge,
         )
         self.lease_ms = round(settings.lease_s * 1000)
@@ -163,7 +101,7 @@ class Executor:
         self._waiting: dict[tuple[int, str], int] = {}
         self._begin = Batcher(
             self._flush_begin,
-            max_delay_ms=settings.complete_flush_ms,
+            max_delay_ms=self.begin_flush_ms,
             max_items=BATCH_ITEMS,
             name="begin",
         )
@@ -189,11 +127,11 @@ class Executor:
         self, items: Sequence[tuple[int, tuple[str, int, int]]]
     ) -> list[int | None]:
         """Per item, the Redis clock (ms) when its lease is held, or None when it is stale."""
-        now, codes = await self.index.begin(_by_shard(items))
-        return [now if code else None for code in _in_order(items, codes)]
+        now, codes = await self.index.begin(tally.by_shard(items))
+        return [now if code else None for code in tally.in_order(items, codes)]
 
     async def _flush_complete(self, items: Sequence[tuple[int, Completion]]) -> list[int]:
-        codes = _in_order(items, await self.index.complete(_by_shard(items)))
+        codes = tally.in_order(items, await self.index.complete(tally.by_shard(items)))
         await self._wake_for(
             [
                 c.next_fire_ms
@@ -204,7 +142,7 @@ class Executor:
         return codes
 
     async def _flush_retry(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[int]:
-        codes = _in_order(items, await self.index.retry(_by_shard(items)))
+        codes = tally.in_order(items, await self.index.retry(tally.by_shard(items)))
         now = self.now_ms()
         await self._wake_for(
             [now + delay for (_, (_, _, delay)), code in zip(items, codes, strict=True) if code]
@@ -236,11 +174,12 @@ class Executor:
             return
         try:
             await self.audit.wait_for_room()
-            live = await self.hold(occurrences)
-            try:
-                await asyncio.gather(*(self.process(occ) for occ in live))
-            finally:
-                self._stop_waiting(live)
+            free = self.fair_slots.take_now(len(occurrences))
+            if free == len(occurrences):
+                # Nothing waits for a slot: no hold, begun right away.
+                await self._deliver_as_granted(occurrences, {})
+            else:
+                await self._run_when_slots(occurrences, free)
         except (transient.Stopped, asyncio.CancelledError) as exc:
             # Handed back: the redelivery's fencing skips whatever was settled already.
             with contextlib.suppress(Exception):
@@ -259,6 +198,157 @@ class Executor:
         with contextlib.suppress(*transient.ERRORS):
             # If the ack is lost the broker redelivers, and fencing skips what is settled.
             await message.ack()
+
+    async def _run_when_slots(self, occurrences: Sequence[Occurrence], free: int) -> None:
+        """A message with slots for its first ``free`` occurrences only (taken): the others
+        are held (their leases kept alive meanwhile) and each claims a slot; those granted
+        together start together."""
+        try:
+            live = await self.hold(occurrences[free:])
+        except BaseException:
+            for _ in range(free):
+                self.fair_slots.release()
+            raise
+        claims = {self.fair_slots.claim(occ.namespace): occ for occ in live}
+        try:
+            await self._deliver_as_granted(occurrences[:free], claims)
+        finally:
+            self._stop_waiting(live)
+
+    async def process(self, occ: Occurrence) -> None:
+        """Deliver and settle one held occurrence once a slot is free for it."""
+        await self._deliver_as_granted((), {self.fair_slots.claim(occ.namespace): occ})
+
+    async def _deliver_as_granted(
+        self,
+        granted: Sequence[Occurrence],
+        claims: dict[asyncio.Future[None], Occurrence],
+    ) -> None:
+        """Occurrences holding a slot (``granted``) and occurrences waiting for one
+        (``claims``), in waves: those granted together are begun in one round trip, judged
+        (misfire, admission) without one where nothing special applies, and delivered
+        concurrently; those whose deliveries end together are settled together (each within
+        its own lease). A failure (a bug) is raised once the others are settled, as gathering
+        them did."""
+        arrivals = waves.Arrivals()
+        waiting = set(claims)
+        for claim in waiting:
+            claim.add_done_callback(arrivals.add)
+        attempts = waves.Watched(arrivals)
+        failure: BaseException | None = None
+        try:
+            if granted:
+                await self._start(granted, attempts)
+            while waiting or attempts:
+                done = await arrivals.next()
+                now_granted = self._granted(done, waiting, claims)
+                ended, failed = waves.ended(done, attempts)
+                failure = failure or failed
+                if now_granted:
+                    await self._start(now_granted, attempts)
+                if ended:
+                    await self._settle_ended(ended)
+        finally:
+            for claim in waiting:
+                self.fair_slots.withdraw(claims[claim].namespace, claim)
+            for attempt in attempts:
+                attempt.cancel()
+        if failure is not None:
+            raise failure
+
+    def _granted(
+        self,
+        done: set[asyncio.Future[Any]],
+        waiting: set[asyncio.Future[None]],
+        claims: dict[asyncio.Future[None], Occurrence],
+    ) -> list[Occurrence]:
+        """The occurrences whose claims were granted (no longer waiting: their leases are
+        no longer kept alive here; begin extends them)."""
+        granted = []
+        for claim in done & waiting:
+            waiting.discard(claim)
+            occ = claims[claim]
+            self._waiting.pop((occ.shard, occ.member), None)
+            granted.append(occ)
+        return granted
+
+    async def _start(self, granted: Sequence[Occurrence], attempts: waves.Watched) -> None:
+        """Begin occurrences holding a slot each, in one round trip (the lease is checked
+        and extended only now, right before the delivery: one whose lease ran out while it
+        waited was handed out again by the sweeper, and is left to that copy; misfire
+        decisions use the Redis clock this answers with); their attempts go into
+        ``attempts``, each giving its slot back when it ends. A stale one gives its slot back
+        at once, as does one the misfire policy skips (settled here, nothing delivered)."""
+        unused = len(granted)
+        try:
+            begun = self.now_ms()
+            items = [
+                (occ.shard, (occ.member, occ.token, occ.plan.target.timeout_ms + self.lease_ms))
+                for occ in granted
+            ]
+            results = await transient.retry(
+                lambda: self._begin.submit_many(items), what="begin", stopping=self.stopping
+            )
+            skipped: list[tuple[Occurrence, Settlement]] = []
+            for occ, now in zip(granted, results, strict=True):
+                unused -= 1
+                if now is None:
+                    metrics.STALE.labels("begin").inc()
+                    self.fair_slots.release()
+                    continue
+                self._holding[(occ.shard, occ.member)] = occ.token
+                key = occ.idempotency_key
+                chosen = settle.missed_choice(occ, now)
+                if chosen != occ.nominal_ms:
+                    self.fair_slots.release()
+                    tally.log_misfire(occ, chosen)
+                    skipped.append((occ, settle.skip(occ, key, chosen, now)))
+                    continue
+                attempt = asyncio.ensure_future(self._attempt(occ, key, now, begun))
+                attempt.add_done_callback(lambda _: self.fair_slots.release())
+                attempts.add(attempt)
+        finally:
+            for _ in range(unused):
+                self.fair_slots.release()
+        await self._settle_many(skipped)
+
+    async def _settle_ended(self, ended: Sequence[waves.Attempt]) -> None:
+        await self._settle_many(
+            [
+                (
+                    a.occ,
+                    settle.settle(
+                        a.occ, a.key, a.outcome, a.now, a.settled_now, a.settled_now, self.rng
+                    ),
+                )
+                for a in ended
+            ]
+        )
+        if self.spans is not None:
+            for a in ended:
+                tally.record_spans(self.spans, a.occ, a.key, a.outcome, a.started, a.finished)
+
+    async def _attempt(
+        self, occ: Occurrence, key: str, now: int, begun: int
+    ) -> waves.Attempt | None:
+        """One occurrence's admission and delivery, in the slot taken for it; None when its
+        rate key held it (parked, not settled)."""
+        admission: limits.Admission | None = None
+        if not self.amqp_targets.refuses(occ):
+            admission = self.limits.admitted_now(occ)
+            if admission is None:
+                admission = await self.limits.admit(occ)
+                if admission.code == limits.HELD:
+                    await self._park(occ, admission)
+                    return None
+                if admission.code == limits.WAIT:
+                    await asyncio.sleep(admission.ms / 1000)
+        outcome, started, finished = await self._deliver(occ, key)
+        settled_now = now + (finished - begun)
+        outcome = self.limits.capped(outcome)
+        if admission is not None:
+            await self.limits.report(occ, admission, outcome)
+        return waves.Attempt(occ, key, now, outcome, started, finished, settled_now)
 
     def _stop_waiting(self, occurrences: Sequence[Occurrence]) -> None:
         """A message given up (handed back, or parked as a bug): its leases are no longer
@@ -284,7 +374,7 @@ class Executor:
             )
             await message.ack()
             return
-        reason = _poison_reason(message.headers or {})
+        reason = tally.poison_reason(message.headers or {})
         for occ in occurrences:
             now = await self.begin(occ)
             if now is not None:
@@ -349,56 +439,6 @@ class Executor:
             self._holding[(occ.shard, occ.member)] = occ.token
         return now
 
-    async def process(self, occ: Occurrence) -> None:
-        """Deliver and settle one occurrence (waiting out Redis outages).
-
-        The lease is checked and extended only once a concurrency slot is free, right before
-        the delivery: an occurrence whose lease ran out while it waited was handed out again
-        by the sweeper, and is left to that copy. Misfire decisions use the Redis clock.
-        """
-        key = occ.idempotency_key
-        async with self.fair_slots.slot(occ.namespace):
-            self._waiting.pop((occ.shard, occ.member), None)
-            # Read before the Redis clock is: `now + (finished - begun)` must never fall short
-            # of the real end of the attempt (a fixed delay counts from it), whatever the
-            # round trip of the begin call took (ledger: 51 ms under a broker restart).
-            begun = self.now_ms()
-            now = await self.begin(occ)
-            if now is None:
-                return
-            chosen = settle.missed_choice(occ, now)
-            admission: limits.Admission | None = None
-            if chosen == occ.nominal_ms:
-                # A delivery its target's policy refuses (it ends dead, nothing sent) never
-                # goes through the rate gate: it must not take the breaker's one probe, nor a
-                # token of the rate limit, from the deliveries that can go.
-                if not self.amqp_targets.refuses(occ):
-                    admission = await self.limits.admit(occ)
-                    if admission.code == limits.HELD:
-                        await self._park(occ, admission)
-                        return
-                    if admission.code == limits.WAIT:
-                        # A reserved slot at most MAX_RESERVE_MS ahead: bounded, waited out.
-                        await asyncio.sleep(admission.ms / 1000)
-                outcome, started, finished = await self._deliver(occ, key)
-                # Clocks: the host times the attempt; what it decides (the misfire, the next
-                # run of an after_completion schedule) is placed on the Redis clock.
-                # (From `begun`: the rate gate and a reserved wait take time too.)
-                settled_now = now + (finished - begun)
-        if chosen == occ.nominal_ms:
-            outcome = self.limits.capped(outcome)
-            if admission is not None:
-                await self.limits.report(occ, admission, outcome)
-        if chosen != occ.nominal_ms:
-            self._log_misfire(occ, chosen)
-            await self._settle(occ, settle.skip(occ, key, chosen, now))
-            return
-        await self._settle(
-            occ, settle.settle(occ, key, outcome, now, settled_now, settled_now, self.rng)
-        )
-        if self.spans is not None:
-            self._record_spans(occ, key, outcome, started, finished)
-
     async def _park(self, occ: Occurrence, admission: limits.Admission) -> None:
         """Held by a rate key: parked behind it, same attempt, until its gate can let it
         through (``services.executor.parking``)."""
@@ -406,30 +446,6 @@ class Executor:
         self._holding.pop((occ.shard, occ.member), None)
         if not code:
             metrics.STALE.labels("park").inc()
-
-    def _log_misfire(self, occ: Occurrence, chosen: int | None) -> None:
-        metrics.MISFIRES.labels(occ.plan.misfire.policy).inc()
-        log.info(
-            "missed occurrence skipped by its misfire policy",
-            extra={
-                "action": "misfire",
-                "schedule": occ.member,
-                "nominal_ms": occ.nominal_ms,
-                "next_ms": chosen,
-                "policy": occ.plan.misfire.policy,
-            },
-        )
-
-    def _record_spans(
-        self, occ: Occurrence, key: str, outcome: Outcome, started: int, finished: int
-    ) -> None:
-        assert self.spans is not None
-        where: dict[str, str | int | bool] = {"cronbus.schedule": f"{occ.namespace}/{occ.id}"}
-        if outcome.http_status is not None:
-            where["http.response.status_code"] = outcome.http_status
-        start_ns, end_ns = started * 1_000_000, finished * 1_000_000
-        self.spans.record("deliver", key, occ.attempt, start_ns, end_ns, where, outcome.error)
-        self.spans.record("settle", key, occ.attempt, end_ns, time.time_ns(), where)
 
     async def _deliver(self, occ: Occurrence, key: str) -> tuple[Outcome, int, int]:
         kind = "webhook" if isinstance(occ.plan.target, WebhookPlan) else "amqp"
@@ -457,7 +473,7 @@ class Executor:
         finally:
             metrics.IN_FLIGHT.dec()
         finished = self.now_ms()
-        _delivery_duration(kind).observe((finished - started) / 1000)
+        tally.delivery_duration(kind).observe((finished - started) / 1000)
         attempt_result = (
             "succeeded"
             if outcome.ok
@@ -467,10 +483,51 @@ class Executor:
                 else "dead"
             )
         )
-        _delivered(kind, attempt_result).inc()
+        tally.delivered(kind, attempt_result).inc()
         if occ.is_backfill:
             metrics.BACKFILL_DELIVERED.labels(attempt_result).inc()
         return outcome, started, finished
+
+    async def _settle_many(self, settled: Sequence[tuple[Occurrence, Settlement]]) -> None:
+        """``_settle`` for many: their completions in one submission, their retries in
+        another (each joins the next batched round trip)."""
+        if not settled:
+            return
+        completions = [(occ.shard, s.completion) for occ, s in settled if s.completion is not None]
+        retries = [
+            (occ.shard, (occ.member, occ.token, s.retry_delay_ms or 0))
+            for occ, s in settled
+            if s.completion is None
+        ]
+        completed: list[int] = []
+        retried: list[int] = []
+        if completions:
+            completed = await transient.retry(
+                lambda: self._complete.submit_many(completions),
+                what="complete",
+                stopping=self.stopping,
+            )
+        if retries:
+            retried = await transient.retry(
+                lambda: self._retry.submit_many(retries), what="retry", stopping=self.stopping
+            )
+        completed_codes, retried_codes = iter(completed), iter(retried)
+        later: list[Awaitable[None]] = []
+        for occ, settlement in settled:
+            if settlement.completion is not None:
+                code = next(completed_codes)
+            else:
+                code = next(retried_codes)
+                if code:
+                    metrics.RETRIES.inc()
+            self._settled(occ, settlement, code, many=True)
+            if self.events.wanted(settlement.event):
+                later.append(self.events.publish(settlement.event, settlement.row))
+            if code and occ.plan.pause_after_failures is not None:
+                later.append(self.autopause.record(occ, settlement.event))
+        self.audit.update()
+        if later:
+            await asyncio.gather(*later)
 
     async def _settle(self, occ: Occurrence, settlement: Settlement) -> None:
         if settlement.completion is not None:
@@ -489,41 +546,27 @@ class Executor:
             )
             if code:
                 metrics.RETRIES.inc()
+        self._settled(occ, settlement, code)
+        await self.events.publish(settlement.event, settlement.row)
+        if code:
+            await self.autopause.record(occ, settlement.event)
+
+    def _settled(
+        self, occ: Occurrence, settlement: Settlement, code: int, *, many: bool = False
+    ) -> None:
+        """What follows a settlement in Redis: counted, audited and logged (``many``: one of
+        several, the audit buffer's limit checked once after them all)."""
         self._holding.pop((occ.shard, occ.member), None)
         if not code:
             # Reclaimed or revoked while we delivered: another message carries it now.
             metrics.STALE.labels("complete").inc()
         if settlement.event == "dead":
             metrics.DEAD.inc()
-        _count_outcome(occ.namespace, settlement)
-        self.audit.add(settlement.row, settlement.checkpoint if code else None)
+        tally.count_outcome(occ.namespace, settlement)
+        self.audit.add(settlement.row, settlement.checkpoint if code else None, update=not many)
         if code and occ.is_backfill and settlement.completion is not None:
-            self.audit.add_backfill(_backfill_progress(occ, settlement.completion, code))
-        self._log(occ, settlement)
-        await self.events.publish(settlement.event, settlement.row)
-        if code:
-            await self.autopause.record(occ, settlement.event)
-
-    def _log(self, occ: Occurrence, settlement: Settlement) -> None:
-        if settlement.event == "succeeded" and not log.isEnabledFor(logging.DEBUG):
-            return
-        row = settlement.row
-        level = logging.WARNING if settlement.event in ("failed", "dead") else logging.DEBUG
-        log.log(
-            level,
-            "occurrence %s",
-            settlement.event,
-            extra={
-                "action": f"occurrence_{settlement.event}",
-                "schedule": occ.member,
-                "nominal_ms": occ.nominal_ms,
-                "attempt": occ.attempt,
-                "idempotency_key": row.idempotency_key,
-                "http_status": row.http_status,
-                "error": row.error,
-                "retry_in_ms": settlement.retry_delay_ms,
-            },
-        )
+            self.audit.add_backfill(tally.backfill_progress(occ, settlement.completion, code))
+        tally.log_settlement(occ, settlement)
 
     def holding(self) -> int:
         """Occurrences begun (leased) and not settled: left to their leases if not released."""

@@ -29,6 +29,34 @@ class FairSlots:
         finally:
             self.release()
 
+    def take_now(self, count: int) -> int:
+        """Take up to ``count`` of the free slots at once when nobody waits (each is given
+        back with ``release``); how many were taken."""
+        if self._waiting:
+            return 0
+        taken = min(count, self.free)
+        self.free -= taken
+        return taken
+
+    def claim(self, namespace: str) -> asyncio.Future[None]:
+        """A slot for ``namespace``, as a future: done at once when one is free, or when one
+        is handed over. A granted slot is given back with ``release``; a claim no longer
+        needed is dropped with ``withdraw``."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.free > 0 and not self._waiting:
+            self.free -= 1
+            future.set_result(None)
+        else:
+            self._waiting.setdefault(namespace, deque()).append(future)
+        return future
+
+    def withdraw(self, namespace: str, future: asyncio.Future[None]) -> None:
+        if future.done() and not future.cancelled():
+            self.release()  # granted and not used: passed on
+        else:
+            future.cancel()
+            self._forget(namespace, future)
+
     async def acquire(self, namespace: str) -> None:
         if self.free > 0 and not self._waiting:
             self.free -= 1

@@ -344,17 +344,49 @@ class _Pool:
         self._by_key.clear()
 
 
+class _Limit:
+    """A counting limit served in arrival order, O(1) per call: ``asyncio.Semaphore`` looks
+    at every waiter on each acquire, and a herd to one host keeps hundreds waiting."""
+
+    __slots__ = ("_waiters", "free")
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self) -> None:
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(future)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release()  # handed over as we were cancelled: passed on
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            future = self._waiters.popleft()
+            if not future.done():  # a cancelled waiter is skipped here
+                future.set_result(None)
+                return
+        self.free += 1
+
+
 class _HostSlots:
     """A semaphore per host, forgotten when nobody uses it (tenants may name many hosts)."""
 
     def __init__(self, per_host: int) -> None:
         self.per_host = per_host
-        self._slots: dict[Key, tuple[asyncio.Semaphore, list[int]]] = {}
+        self._slots: dict[Key, tuple[_Limit, list[int]]] = {}
 
-    def acquire(self, key: Key) -> asyncio.Semaphore:
+    def acquire(self, key: Key) -> _Limit:
         entry = self._slots.get(key)
         if entry is None:
-            entry = self._slots[key] = (asyncio.Semaphore(self.per_host), [0])
+            entry = self._slots[key] = (_Limit(self.per_host), [0])
         entry[1][0] += 1
         return entry[0]
 
@@ -387,7 +419,7 @@ class HttpClient:
         self.user_agent = user_agent
         self.pool = _Pool(total, idle_s)
         self._hosts = _HostSlots(per_host)
-        self._total = asyncio.Semaphore(total)
+        self._total = _Limit(total)
 
     def _ssl(self) -> ssl.SSLContext:
         if self.ssl_context is None:
@@ -408,8 +440,16 @@ class HttpClient:
         request = self._encode(method, target, headers, body)
         slots = self._hosts.acquire(target.key)
         try:
-            async with asyncio.timeout(timeout_s), self._total, slots:
-                return await self._exchange(target, request)
+            async with asyncio.timeout(timeout_s):
+                await self._total.acquire()
+                try:
+                    await slots.acquire()
+                    try:
+                        return await self._exchange(target, request)
+                    finally:
+                        slots.release()
+                finally:
+                    self._total.release()
         finally:
             self._hosts.release(target.key)
 

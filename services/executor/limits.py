@@ -131,6 +131,20 @@ class Limits:
             return dataclasses.replace(admission, code=WAIT, ms=ms)
         return admission
 
+    def admitted_now(self, occ: Occurrence) -> Admission | None:
+        """The admission ``admit`` would give without a round trip (an unlimited rate key
+        found clear moments ago, and no fire rate quota), or None when it must be asked."""
+        target = occ.plan.target
+        if target.rate_per_s is not None:
+            return None
+        key = limits.rate_key(occ.namespace, target)
+        if self._clear_until.get(key, 0.0) <= time.monotonic():
+            return None
+        quota = self.quotas.of(occ.namespace)
+        if quota is not None and quota.max_fires_per_s is not None:
+            return None
+        return Admission(key, GO, 0, False, False)
+
     async def _admit_target(self, occ: Occurrence) -> Admission:
         target = occ.plan.target
         key = limits.rate_key(occ.namespace, target)

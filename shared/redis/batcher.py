@@ -18,6 +18,27 @@ Result = TypeVar("Result")
 Flush = Callable[[Sequence[Item]], Awaitable[Sequence[Result]]]
 
 
+class _Group(Generic[Result]):
+    """The results of several items submitted together, awaited as one future."""
+
+    __slots__ = ("future", "left", "results")
+
+    def __init__(self, future: asyncio.Future[list[Result]], size: int) -> None:
+        self.future = future
+        self.results: list[Result | None] = [None] * size
+        self.left = size
+
+    def set(self, index: int, result: Result) -> None:
+        self.results[index] = result
+        self.left -= 1
+        if not self.left and not self.future.done():
+            self.future.set_result(self.results)  # type: ignore[arg-type]
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
 class Batcher(Generic[Item, Result]):
     def __init__(
         self, flush: Flush[Item, Result], *, max_delay_ms: float, max_items: int, name: str
@@ -27,7 +48,8 @@ class Batcher(Generic[Item, Result]):
         self._max_items = max_items
         self._name = name
         self._items: list[Item] = []
-        self._futures: list[asyncio.Future[Result]] = []
+        #: Per item, its own future, or the group it was submitted with and its place there.
+        self._futures: list[asyncio.Future[Result] | tuple[_Group[Result], int]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._running: set[asyncio.Task[None]] = set()
 
@@ -43,6 +65,22 @@ class Batcher(Generic[Item, Result]):
             )
         return await future
 
+    async def submit_many(self, items: Sequence[Item]) -> list[Result]:
+        """Several items, one waiter: they join the same flush (or flushes, past
+        ``max_items``) as what others submit meanwhile, at the cost of one future."""
+        if not items:
+            return []
+        loop = asyncio.get_running_loop()
+        group: _Group[Result] = _Group(loop.create_future(), len(items))
+        for index, item in enumerate(items):
+            self._items.append(item)
+            self._futures.append((group, index))
+            if len(self._items) >= self._max_items:
+                self._start_flush()
+        if self._items and self._timer is None:
+            self._timer = loop.call_later(self._max_delay_s, self._start_flush)
+        return await group.future
+
     def _start_flush(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -55,16 +93,24 @@ class Batcher(Generic[Item, Result]):
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run(self, items: list[Item], futures: list[asyncio.Future[Result]]) -> None:
+    async def _run(
+        self,
+        items: list[Item],
+        futures: list[asyncio.Future[Result] | tuple[_Group[Result], int]],
+    ) -> None:
         try:
             results = await self._flush(items)
         except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
             for future in futures:
-                if not future.done():
+                if isinstance(future, tuple):
+                    future[0].fail(exc)
+                elif not future.done():
                     future.set_exception(exc)
             return
         for future, result in zip(futures, results, strict=True):
-            if not future.done():
+            if isinstance(future, tuple):
+                future[0].set(future[1], result)
+            elif not future.done():
                 future.set_result(result)
 
     async def drain(self) -> None:

@@ -155,9 +155,13 @@ def encode(plan: Plan) -> bytes:
 
 
 def _decode_exclusions(data: dict[str, Any]) -> tuple[Exclusion, ...]:
+    items = data.get("E")
+    if not items:
+        # Most schedules have none: no generator to build and exhaust for them.
+        return ()
     return tuple(
         CronExclusion(item) if isinstance(item, str) else RangeExclusion(item[0], item[1])
-        for item in data.get("E", ())
+        for item in items
     )
 
 

@@ -56,3 +56,28 @@ def test_interleave_round_robins_namespaces_and_keeps_each_ones_order() -> None:
     ]
     alone = ["a/3", "a/1", "a/2"]
     assert fairness.interleave(alone, fairness.namespace_of) == alone
+
+
+async def test_claims_are_served_in_turn_and_a_withdrawn_one_passes_its_slot_on() -> None:
+    slots = FairSlots(1)
+    assert slots.take_now(2) == 1 and slots.free == 0
+    first, second = slots.claim("a"), slots.claim("b")
+    assert not first.done()
+    slots.free += 1  # as if a slot came back without a release (no waiter served)
+    assert slots.take_now(1) == 0  # others wait: nobody jumps the queue
+    slots.free -= 1
+    slots.release()
+    assert first.done() and not second.done()
+    slots.withdraw("a", first)  # granted and not used: handed on
+    assert second.done()
+    slots.release()
+    assert slots.free == 1
+
+
+async def test_a_withdrawn_waiting_claim_loses_no_slot() -> None:
+    slots = FairSlots(1)
+    assert slots.take_now(1)
+    claim = slots.claim("a")
+    slots.withdraw("a", claim)
+    slots.release()
+    assert slots.free == 1 and slots.take_now(1) == 1
