@@ -18,12 +18,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any, cast
+from typing import Any
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
-from shared.contract import envelopes, keys
-from shared.rabbitmq import amqp, decoding
+from shared.rabbitmq import amqp
 from shared.runtime import transient
 
 log = logging.getLogger(__name__)
@@ -47,70 +46,6 @@ class Partition:
             await asyncio.wait(set(self.under_way))
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.channel.close(), 5)
-
-
-class Envelope:
-    """A delivery of several commands: acknowledged once each of them is, or given back
-    whole (in order, at the head of the queue) if any of them is; a command applied before
-    is then answered from its first reply (its message_id) when it comes again."""
-
-    def __init__(self, message: AbstractIncomingMessage, count: int) -> None:
-        self.message = message
-        self.waiting = count
-        self.give_back = False
-        deliveries = (message.headers or {}).get("x-delivery-count")
-        self.deliveries = deliveries if isinstance(deliveries, int) else 0
-
-    def command(self, routed: envelopes.Routed) -> RoutedCommand:
-        return RoutedCommand(self, routed)
-
-    async def settled(self, give_back: bool) -> None:
-        self.give_back = self.give_back or give_back
-        self.waiting -= 1
-        if self.waiting > 0:
-            return
-        if self.give_back:
-            await self.message.nack(requeue=True)
-        else:
-            await self.message.ack()
-
-
-class RoutedCommand:
-    """One command of an envelope, read by the intake as it reads a delivery of its own:
-    what the router carried is where ``receiving.Meta.of`` reads it on a routed command."""
-
-    exchange = keys.PARTITIONS_EXCHANGE
-    user_id = None
-    message_id = None
-
-    def __init__(self, envelope: Envelope, routed: envelopes.Routed) -> None:
-        self.envelope = envelope
-        self.body = routed.body
-        self.routing_key = routed.routing_key
-        self.reply_to = routed.reply_to
-        self.correlation_id = routed.correlation_id
-        self.app_id = routed.app_id
-        headers: dict[str, Any] = {
-            keys.ROUTED_KEY_HEADER: routed.routing_key,
-            # Its deliveries from cronbus.commands until the partition's own say more.
-            "x-delivery-count": max(routed.deliveries, envelope.deliveries),
-        }
-        if routed.user_id is not None:
-            headers[keys.ROUTED_USER_HEADER] = routed.user_id
-        if routed.message_id is not None:
-            headers[keys.ROUTED_MESSAGE_ID_HEADER] = routed.message_id
-        names = [name for name in routed.undecodable if name != "headers"]
-        if names:
-            headers[keys.ROUTED_UNDECODABLE_HEADER] = ",".join(names)
-        if "headers" in routed.undecodable:
-            headers[decoding.UNDECODABLE_HEADER] = "a header name is not UTF-8"
-        self.headers = headers
-
-    async def ack(self) -> None:
-        await self.envelope.settled(give_back=False)
-
-    async def nack(self, requeue: bool = True) -> None:
-        await self.envelope.settled(give_back=requeue)
 
 
 class PartitionConsumers:
@@ -184,28 +119,12 @@ class PartitionConsumers:
         partition = Partition(number, channel)
         queue = await amqp.partition_queue_of(channel, number)
 
-        def start(command: AbstractIncomingMessage) -> None:
-            task = asyncio.create_task(self.handle(command), name="command")
-            partition.under_way.add(task)
-            task.add_done_callback(partition.under_way.discard)
-
         async def on_command(message: AbstractIncomingMessage) -> None:
             if partition.letting_go:
                 return  # not started: the broker takes it back when the channel closes
-            if envelopes.ENVELOPE_HEADER not in (message.headers or {}):
-                start(message)
-                return
-            try:
-                commands = envelopes.unpacked(message.body)
-            except envelopes.BadEnvelope:
-                log.exception(
-                    "a commands envelope cannot be read", extra={"action": "bad_envelope"}
-                )
-                await message.reject(requeue=False)  # to the dead-letter queue, whole
-                return
-            envelope = Envelope(message, len(commands))
-            for command in commands:
-                start(cast(AbstractIncomingMessage, envelope.command(command)))
+            task = asyncio.create_task(self.handle(message), name="command")
+            partition.under_way.add(task)
+            task.add_done_callback(partition.under_way.discard)
 
         await queue.consume(on_command)
         self.consumed[number] = partition

@@ -40,7 +40,7 @@ import aiormq.exceptions
 from pamqp import commands as spec
 
 from services.dispatcher.intake.receiving import Meta, Received
-from shared.contract import codec, envelopes, keys
+from shared.contract import codec, keys
 from shared.policy import partitions
 from shared.policy.replies import Route as ReplyRoute
 from shared.policy.replies import shape_of
@@ -55,6 +55,13 @@ CONNECTION_NAME = "cronbus-dispatcher-router"
 LOCK_RETRY_S = 1.0
 #: Commands the router holds unacknowledged at once (routing is cheap; parts wait longer).
 PREFETCH = 2000
+#: Headers only the router sets: a user's own are dropped, never believed.
+ROUTER_HEADERS = (
+    keys.ROUTED_KEY_HEADER,
+    keys.ROUTED_USER_HEADER,
+    keys.ROUTED_MESSAGE_ID_HEADER,
+    keys.ROUTED_UNDECODABLE_HEADER,
+)
 #: The short-string properties a router republishes (the broker passes on any bytes there).
 TEXT_PROPERTIES = (
     "content_type",
@@ -96,21 +103,6 @@ def _readable_properties(
     for name in undecodable:
         text[name] = decoding.readable(text[name] or "")
     return text, undecodable
-
-
-def _chunks(entries: list[bytes]) -> list[list[bytes]]:
-    """Entries in envelopes of at most MAX_COMMANDS commands and about MAX_BYTES each."""
-    chunks: list[list[bytes]] = [[]]
-    size = 0
-    for entry in entries:
-        if chunks[-1] and (
-            len(chunks[-1]) >= envelopes.MAX_COMMANDS or size + len(entry) > envelopes.MAX_BYTES
-        ):
-            chunks.append([])
-            size = 0
-        chunks[-1].append(entry)
-        size += len(entry)
-    return chunks
 
 
 def _is_split(plan: list[Publish]) -> bool:
@@ -172,7 +164,6 @@ class Router:
         self.reply = reply
         self.answerable = answerable
         self.active = False
-        self.id = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
 
     async def run(self) -> None:
@@ -276,77 +267,45 @@ class Routing:
         # every publish started in arrival order: started without a wait in between, they
         # take the channel's lock, and reach the broker, in that order.
         plans = await self._plans(batch)
-        by_partition: dict[int, list[bytes]] = {}
+        publishing = [
+            [
+                asyncio.ensure_future(self._sent(message, partition, body, part))
+                for partition, body, part in plan
+            ]
+            for message, plan in zip(batch, plans, strict=True)
+        ]
+        await asyncio.gather(*(task for tasks in publishing for task in tasks))
         finished = []
-        for message, plan in zip(batch, plans, strict=True):
-            try:
-                entries = [
-                    (p, envelopes.packed(self._routed(message, b, part))) for p, b, part in plan
-                ]
-            except Exception:
-                log.exception(
-                    "the router could not route a command; it is dead-lettered",
-                    extra={"action": "router_refused"},
-                )
+        for message, plan, tasks in zip(batch, plans, publishing, strict=True):
+            if all(task.result() for task in tasks):
+                if _is_split(plan):
+                    continue  # acknowledged once its parts have answered
+            else:
                 await self._dead_letter(message, plan)
-                finished.append(message.delivery_tag or 0)
-                continue
-            for partition, entry in entries:
-                by_partition.setdefault(partition, []).append(entry)
-            if not _is_split(plan):
-                finished.append(message.delivery_tag or 0)  # a split: once its parts answer
-        # Started in order, the envelopes of one partition reach the broker in order.
-        await asyncio.gather(
-            *(
-                asyncio.ensure_future(self._publish_envelope(partition, chunk))
-                for partition, entries in by_partition.items()
-                for chunk in _chunks(entries)
-            )
-        )
+            finished.append(message.delivery_tag or 0)
         await self._ack(self.acks.finish(finished))
 
-    def _routed(
+    async def _sent(
         self,
         message: aiormq.abc.DeliveredMessage,
+        partition: int,
         body: bytes,
         part: tuple[str, str, str | None] | None,
-    ) -> envelopes.Routed:
-        """The command as its partition's intake reads it (a part: answering the router)."""
-        text, undecodable = _readable_properties(message)
-        headers = message.header.properties.headers or {}
-        if decoding.UNDECODABLE_HEADER in headers:
-            undecodable.append("headers")
-        deliveries = headers.get("x-delivery-count")
-        return envelopes.Routed(
-            routing_key=text["routing_key"] or "",
-            body=body,
-            reply_to=text["reply_to"] if part is None else part[0],
-            correlation_id=text["correlation_id"] if part is None else part[1],
-            message_id=text["message_id"] if part is None else part[2],
-            user_id=text["user_id"],
-            app_id=text["app_id"],
-            deliveries=deliveries if isinstance(deliveries, int) else 0,
-            undecodable=tuple(undecodable),
-        )
-
-    async def _publish_envelope(self, partition: int, entries: list[bytes]) -> None:
-        """One envelope, confirmed."""
-        confirmation = await self.channel.basic_publish(
-            b"".join(entries),
-            exchange=keys.PARTITIONS_EXCHANGE,
-            routing_key=str(partition),
-            properties=spec.Basic.Properties(
-                headers={envelopes.ENVELOPE_HEADER: len(entries)},
-                delivery_mode=2,
-                # Our own id: the broker's return of an unroutable publish names it.
-                message_id=f"{self.router.id}-{next(self.router._ids)}",
-            ),
-            mandatory=True,
-        )
-        if not isinstance(confirmation, spec.Basic.Ack):
-            # A partition queue gone or a broker refusal: give every command back (the
-            # connection closes) rather than acknowledge one that went nowhere.
-            raise Unrouted(f"partition {partition} did not take commands: {confirmation!r}")
+    ) -> bool:
+        """Published (True); False when this command cannot be, whatever the broker does:
+        one hostile command never stops the router (a broker away still does, and every
+        command goes back to the queue)."""
+        try:
+            await self._publish(message, partition, body, part)
+        except ROUTER_ERRORS:
+            raise
+        except Exception:
+            log.exception(
+                "the router could not route a command; it is dead-lettered",
+                extra={"action": "router_refused"},
+            )
+            return False
+        return True
 
     async def _dead_letter(self, message: aiormq.abc.DeliveredMessage, plan: list[Publish]) -> None:
         """Keep a command that could not be routed in ``cronbus.commands.dead``, with why
@@ -422,6 +381,60 @@ class Routing:
         if route is ReplyRoute.REFUSED:
             return False
         return route is not ReplyRoute.CHECK or await self.router.answerable(reply_to)
+
+    async def _publish(
+        self,
+        message: aiormq.abc.DeliveredMessage,
+        partition: int,
+        body: bytes,
+        part: tuple[str, str, str | None] | None = None,
+    ) -> None:
+        """One publish, confirmed; ``part``: (parts queue, correlation id, message id)."""
+        text, undecodable = _readable_properties(message)
+        headers = {
+            name: value
+            for name, value in (message.header.properties.headers or {}).items()
+            # x-delivery-count stays: the deliveries from cronbus.commands count until the
+            # partition's own (set by the broker from its first redelivery) replace them.
+            if name not in ROUTER_HEADERS
+        }
+        headers[keys.ROUTED_KEY_HEADER] = text["routing_key"] or ""
+        if text["user_id"] is not None:
+            headers[keys.ROUTED_USER_HEADER] = text["user_id"]
+        message_id = text["message_id"] if part is None else part[2]
+        if message_id is not None:
+            headers[keys.ROUTED_MESSAGE_ID_HEADER] = message_id
+        if undecodable:
+            headers[keys.ROUTED_UNDECODABLE_HEADER] = ",".join(undecodable)
+        routed = spec.Basic.Properties(
+            content_type=text["content_type"],
+            content_encoding=text["content_encoding"],
+            headers=headers,
+            delivery_mode=2,
+            correlation_id=text["correlation_id"] if part is None else part[1],
+            reply_to=text["reply_to"] if part is None else part[0],
+            # Unreadable, it could not say when the command expires: it does not. A part
+            # never expires: its command's reply waits for every part.
+            expiration=None
+            if "expiration" in undecodable or part is not None
+            else text["expiration"],
+            # Our own id: the broker's return of an unroutable publish names it.
+            message_id=uuid.uuid4().hex,
+            timestamp=message.header.properties.timestamp,
+            message_type=text["message_type"],
+            app_id=text["app_id"],
+        )
+        confirmation = await self.channel.basic_publish(
+            body,
+            exchange=keys.PARTITIONS_EXCHANGE,
+            routing_key=str(partition),
+            properties=routed,
+            mandatory=True,
+        )
+        if not isinstance(confirmation, spec.Basic.Ack):
+            # A partition queue gone or a broker refusal: give every command back (the
+            # connection closes) rather than acknowledge one that went nowhere.
+            raise Unrouted(f"partition {partition} did not take a command: {confirmation!r}")
 
     def _parts(
         self, message: aiormq.abc.DeliveredMessage, route: partitions.Route, items: list[Any]
