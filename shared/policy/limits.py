@@ -86,7 +86,6 @@ def rate_key(namespace: str, target: TargetPlan) -> str:
 
 
 @functools.lru_cache(maxsize=65_536)  # pure, and asked once per delivery of the same URLs
-@functools.lru_cache(maxsize=65_536)
 def origin(url: str) -> str:
     """``scheme://host:port`` of a URL, with the scheme's default port made explicit."""
     parts = urlsplit(url)
