@@ -27,6 +27,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Sequence
 
+from services.executor import tally
 from shared.contract.delivery import Occurrence
 from shared.policy import holds
 from shared.redis import holds as parked
@@ -65,16 +66,8 @@ class Parking:
         self._look_now = asyncio.Event()
 
     async def _flush_park(self, items: Sequence[tuple[int, parked.ToPark]]) -> list[int]:
-        by_shard: dict[int, list[parked.ToPark]] = defaultdict(list)
-        for shard, item in items:
-            by_shard[shard].append(item)
-        codes = await parked.park(self.index, dict(by_shard), self.safety_ms)
-        cursors = dict.fromkeys(codes, 0)
-        ordered = []
-        for shard, _ in items:
-            ordered.append(codes[shard][cursors[shard]])
-            cursors[shard] += 1
-        return ordered
+        codes = await parked.park(self.index, dict(tally.by_shard(items)), self.safety_ms)
+        return tally.in_order(items, codes)
 
     async def park(self, occ: Occurrence, rate_key: str, wake_ms: int, limit: str) -> int:
         """Park a held occurrence behind ``rate_key`` until ``wake_ms`` (1 parked, 0 stale,
