@@ -19,6 +19,7 @@ import pytest
 
 from shared.contract import codec, keys
 from shared.policy import partitions
+from tests.support import brokerctl
 from tests.support.stack import Stack
 
 PARTITIONS = 4
@@ -261,29 +262,6 @@ def router_of(stack: Stack) -> Any:
     return None
 
 
-def close_connections(amqp_url: str, named: str) -> int:
-    """Close the connections of the test's vhost whose client name contains ``named``."""
-    out = subprocess.run(
-        ["rabbitmqctl", "-q", "list_connections", "pid", "vhost", "client_properties"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    closed = 0
-    for line in out.splitlines():
-        fields = line.split("\t")
-        if len(fields) >= 3 and fields[1] == vhost_of(amqp_url) and named in fields[2]:
-            subprocess.run(
-                ["rabbitmqctl", "-q", "close_connection", fields[0], "test: broker away"],
-                capture_output=True,
-                timeout=60,
-                check=False,
-            )
-            closed += 1
-    return closed
-
-
 async def test_order_and_answers_while_connections_are_closed(
     partitioned: dict[str, str], stack: Stack, amqp_url: str
 ) -> None:
@@ -305,7 +283,9 @@ async def test_order_and_answers_while_connections_are_closed(
             await asyncio.sleep(0.25)
             if r in (10, 22):
                 named = "cronbus-dispatcher-router" if r == 10 else "cronbus-"
-                closed = await asyncio.to_thread(close_connections, amqp_url, named)
+                closed = await asyncio.to_thread(
+                    brokerctl.close_connections, amqp_url, named, prefix=True
+                )
                 events.append(f"{closed} connections named {named} closed")
         missing: list[tuple[str, int]] = []
         for key, correlation_id in sent.items():

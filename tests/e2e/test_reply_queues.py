@@ -7,9 +7,7 @@ import asyncio
 import base64
 import re
 import struct
-import subprocess
 import time
-import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,7 +17,7 @@ import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
 from shared.contract import codec, keys
-from tests.support import rawamqp
+from tests.support import brokerctl, rawamqp
 from tests.support.stack import Stack
 
 HOOK = "http://127.0.0.1:9/hook"
@@ -289,30 +287,6 @@ async def test_a_queue_declared_durable_after_its_exclusive_owner_left_is_never_
         assert await refused_count(dispatcher) == 1
 
 
-def close_connections_named(amqp_url: str, name: str) -> int:
-    """Have the broker close this vhost's connections named ``name`` (how many it closed)."""
-    vhost = urllib.parse.unquote(urllib.parse.urlsplit(amqp_url).path.lstrip("/"))
-    listed = subprocess.run(
-        ["rabbitmqctl", "-q", "list_connections", "pid", "vhost", "client_properties"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    ).stdout
-    closed = 0
-    for line in listed.splitlines():
-        fields = line.split("\t")
-        if len(fields) >= 3 and fields[1] == vhost and f'"{name}"' in fields[2]:
-            subprocess.run(
-                ["rabbitmqctl", "-q", "close_connection", fields[0], "closed by a test"],
-                check=True,
-                capture_output=True,
-                timeout=30,
-            )
-            closed += 1
-    return closed
-
-
 async def test_replies_go_on_after_the_broker_closes_the_replies_connection(
     dispatcher: Stack, amqp_url: str
 ) -> None:
@@ -325,7 +299,7 @@ async def test_replies_go_on_after_the_broker_closes_the_replies_connection(
         replies = await channel.declare_queue(exclusive=True)
         assert (await ask(channel, replies, upsert("before")))["ok"] is True
         closed = await asyncio.to_thread(
-            close_connections_named, amqp_url, "cronbus-dispatcher-replies"
+            brokerctl.close_connections, amqp_url, "cronbus-dispatcher-replies"
         )
         assert closed == 1
         for n in range(3):
