@@ -30,6 +30,7 @@
 local due, lease, occ, sched, gone, bf = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 
 --!include lib/clock.lua
+--!include lib/plan_version.lua
 local now = clock_ms(ARGV[1])
 
 --!include lib/revoked.lua
@@ -130,9 +131,9 @@ for i = 2, #ARGV, 5 do
     end
     if finish == '1' then
       local plan = redis.call('HGET', sched, base)
-      local version = plan and string.match(plan, '^{"v":(%d+)')
+      local version = plan_version(plan)
       if version then
-        redis.call('HSET', gone, base, version .. '|' .. now .. '|f')
+        redis.call('HSET', gone, base, string.format('%d', version) .. '|' .. now .. '|f')
       end
       redis.call('HDEL', sched, base)
       drop_backfill(base)

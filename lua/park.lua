@@ -22,7 +22,8 @@
   KEYS[4] parked  ZSET  rate key -> wake (ms): when to look at the key's gate again
   KEYS[5] rates   HASH  rate key -> "interval_ms|burst" of its limit ("0|1": none)
   KEYS[6] pkm     HASH  member -> its parked deadline in `due` (ms)
-  KEYS[7] sched   HASH  ns/id  -> compact schedule (starts with {"v":<version>)
+  KEYS[7] sched   HASH  ns/id  -> compact schedule (starts with its version:
+                        lib/plan_version.lua)
   KEYS after those, one per item: its rate key's parked set of the shard,
           pk      ZSET  member -> its safety deadline in `due` (ms)
   ARGV[1] now_ms     (ms, optional: '' reads the server clock; tests only)
@@ -36,6 +37,7 @@
 local due, lease, occ, parked, rates, pkm = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local sched = KEYS[7]
 --!include lib/clock.lua
+--!include lib/plan_version.lua
 local now = clock_ms(ARGV[1])
 
 --!include lib/revoked.lua
@@ -48,7 +50,7 @@ local function rewritten(member, version)
     return false
   end
   local stored = redis.call('HGET', sched, string.match(member, '^[^#]*'))
-  local stored_version = stored and tonumber(string.match(stored, '^{"v":(%d+)'))
+  local stored_version = plan_version(stored)
   return stored_version ~= nil and stored_version ~= tonumber(version)
 end
 

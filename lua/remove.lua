@@ -25,6 +25,7 @@
 local due, lease, occ, sched, gone, bf = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local pkm = KEYS[7]
 --!include lib/clock.lua
+--!include lib/plan_version.lua
 local now = clock_ms(ARGV[1])
 
 -- An occurrence in flight leaves its marker (as upsert.lua's revoke does): a schedule created
@@ -36,7 +37,7 @@ local results = {}
 for i = 2, #ARGV, 2 do
   local member, version = ARGV[i], ARGV[i + 1]
   local current = redis.call('HGET', sched, member)
-  local stored = current and tonumber(string.match(current, '^{"v":(%d+)'))
+  local stored = plan_version(current)
   if stored and version ~= '' and stored > tonumber(version) then
     results[#results + 1] = -1
   else

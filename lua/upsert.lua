@@ -16,7 +16,8 @@
                         member .. '!' -> "token|lease deadline" of an occurrence revoked while
                         in flight: its delivery may still be under way, so the new rotation's
                         first occurrence waits for it (claim.lua), never overlapping it
-  KEYS[4] sched  HASH  ns/id  -> compact schedule (starts with {"v":<version>)
+  KEYS[4] sched  HASH  ns/id  -> compact schedule (starts with its version:
+                        lib/plan_version.lua)
   KEYS[5] gone   HASH  ns/id  -> "version|ms|kind" tombstone (kind f: finished, d: deleted)
   KEYS[6] bf     HASH  ns/id  -> "generation|to_ms|remaining|start|paused" (backfill.lua)
   KEYS[7] pkm    HASH  member -> parked deadline (ms) of an occurrence parked behind a rate key
@@ -42,13 +43,15 @@
   it stands. Otherwise a write leaves it alone, 'reset' too: its next occurrences follow the
   schedule as it is then.
 
-  Returns one code per sextuple: 1 written, 0 already applied (the same version is stored),
+  Returns one code per sextuple: 1 written, 0 already applied (the same version is stored;
+  stored in the other form, JSON or binary, it takes the form given),
   2 stored but not started (the rotation had finished), -1 stale (a newer version is stored,
   or a tombstone at least as new).
 ]]
 local due, lease, occ, sched, gone, bf = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local pkm = KEYS[7]
 --!include lib/clock.lua
+--!include lib/plan_version.lua
 
 -- A parked occurrence (still at its parked deadline) comes due now: its schedule changed, and
 -- may no longer wait on the key it was parked behind.
@@ -94,11 +97,6 @@ local function follow_pause(member, mode)
   end
 end
 
-local function version_in(key, member, pattern)
-  local value = redis.call('HGET', key, member)
-  return value and tonumber(string.match(value, pattern))
-end
-
 --!include lib/revoked.lua
 
 local function revoke(member)
@@ -126,7 +124,8 @@ local results = {}
 for i = 1, #ARGV, 6 do
   local member, version, plan, mode, next_fire, next_occ =
     ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
-  local stored = version_in(sched, member, '^{"v":(%d+)')
+  local stored_plan = redis.call('HGET', sched, member)
+  local stored = plan_version(stored_plan)
   local tombstone = redis.call('HGET', gone, member)
   local buried = tombstone and tonumber(string.match(tombstone, '^(%d+)'))
   local finished = tombstone and string.match(tombstone, '|f$') ~= nil
@@ -135,6 +134,11 @@ for i = 1, #ARGV, 6 do
   if (stored and stored > version) or (buried and buried >= version and not parks_finished) then
     results[#results + 1] = -1
   elseif stored and stored == version then
+    -- The same schedule, perhaps in the other form (JSON or binary): it takes the form
+    -- written now, and nothing else moves. A rebuild converts the index this way.
+    if (string.sub(stored_plan, 1, 1) == '{') ~= (string.sub(plan, 1, 1) == '{') then
+      redis.call('HSET', sched, member, plan)
+    end
     results[#results + 1] = 0
   else
     local stays_finished = finished and mode ~= 'reset'

@@ -36,9 +36,13 @@ async def import_file(
     settings = settings or DispatcherSettings()
     redis = connection.connect(settings)
     try:
-        idx = index.Index(redis, keys.RedisKeys(settings.redis_prefix), settings.shards)
+        idx = index.Index(
+            redis, keys.RedisKeys(settings.redis_prefix), settings.shards, settings.compact_form
+        )
         await idx.load_scripts()
-        store = await Store.open(settings.database_url, min_size=1, max_size=2)
+        store = await Store.open(
+            settings.database_url, min_size=1, max_size=2, compact_form=settings.compact_form
+        )
         try:
             result = await bulk.import_lines(
                 _lines(path), namespace, store, idx, settings.target_policy(), batch_size=batch

@@ -18,6 +18,7 @@ from cronbus.bench import command as bench_command
 from cronbus.cli import commands, completion, dev, doctor, importer, output, procs, top
 from cronbus.cli import preview as preview_cmd
 from cronbus.cli.common import CliError, interval_s, positive_int, quiet_drivers, unreachable
+from shared.rules import compact
 from shared.runtime.config import DispatcherSettings, ExecutorSettings, SweeperSettings
 
 Handler = Callable[[argparse.Namespace], int]
@@ -118,6 +119,12 @@ def _add_preview(sub: Subparsers) -> None:
 
 def _add_operations(sub: Subparsers) -> None:
     p = sub.add_parser("migrate", help="create the database if missing and apply migrations")
+    p.add_argument(
+        "--compact-form",
+        choices=["binary", "json"],
+        help="then store every schedule's compact value in this form (json: before going "
+        "back to a version from before 2026-11-26; see docs/upgrading.md)",
+    )
     p.set_defaults(handler=_migrate)
     doctor.add_parser(sub)
     p = sub.add_parser("run", help="run one service (same as python -m services.NAME)")
@@ -171,12 +178,25 @@ def _migrate(args: argparse.Namespace) -> int:
         applied = asyncio.run(
             db.migrate(settings.database_url, partitions_ahead_days=settings.partitions_ahead_days)
         )
+        print("applied: " + ", ".join(applied) if applied else "up to date")
+        if args.compact_form:
+            rewritten = asyncio.run(_rewrite_compact_form(settings.database_url, args.compact_form))
+            print(f"schedules rewritten in the {args.compact_form} form: {rewritten}")
     except transient.ERRORS as exc:
         raise CliError(
             unreachable("PostgreSQL", "CRONBUS_DATABASE_URL", settings.database_url, exc)
         ) from None
-    print("applied: " + ", ".join(applied) if applied else "up to date")
     return 0
+
+
+async def _rewrite_compact_form(database_url: str, form: compact.Form) -> int:
+    from shared.postgres.store import Store  # noqa: PLC0415
+
+    store = await Store.open(database_url, min_size=1, max_size=1)
+    try:
+        return await store.rewrite_compact_form(form)
+    finally:
+        await store.close()
 
 
 def _run_service(args: argparse.Namespace) -> int:

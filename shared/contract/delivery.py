@@ -85,7 +85,7 @@ def encode(items: Sequence[Claimed]) -> bytes:
             c.nominal_ms,
             c.attempt,
             c.fires,
-            c.plan,
+            compact.as_json(c.plan),
             c.catch_up,
         )
         for c in items

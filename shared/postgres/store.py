@@ -34,6 +34,7 @@ from shared.contract.rows import (
 )
 from shared.postgres import audit, columns
 from shared.postgres.sql import QUERIES
+from shared.rules import compact
 
 #: Above every value of the integer column ``priority``: the rebuild's walk starts below it.
 ABOVE_ANY_PRIORITY = 2**31
@@ -55,9 +56,18 @@ async def _init_connection(conn: Connection) -> None:
 @dataclass
 class Store:
     pool: asyncpg.Pool
+    #: The form schedules' compact values are written in (CRONBUS_COMPACT_FORM).
+    compact_form: compact.Form = "binary"
 
     @classmethod
-    async def open(cls, url: str, *, min_size: int = 1, max_size: int = 8) -> Store:
+    async def open(
+        cls,
+        url: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 8,
+        compact_form: compact.Form = "binary",
+    ) -> Store:
         pool = await asyncpg.create_pool(
             url,
             min_size=min_size,
@@ -66,7 +76,7 @@ class Store:
             command_timeout=30,
         )
         assert pool is not None
-        return cls(pool)
+        return cls(pool, compact_form)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -109,7 +119,7 @@ class Store:
                     r.version,
                     r.state,
                     columns.json_text(r.definition),
-                    r.compact,
+                    compact.stored_form(r.compact, self.compact_form),
                     r.priority,
                     codec.dumps(r.labels).decode(),
                     r.fires,
@@ -147,7 +157,7 @@ class Store:
             row.version,
             row.state,
             codec.loads(row.definition) if isinstance(row.definition, bytes) else row.definition,
-            row.compact,
+            compact.stored_form(row.compact, self.compact_form),
             row.priority,
             row.labels,
             row.fires,
@@ -216,7 +226,7 @@ class Store:
             [r.version for r in rows],
             [r.state for r in rows],
             [columns.as_json(r.definition) for r in rows],
-            [r.compact for r in rows],
+            [compact.stored_form(r.compact, self.compact_form) for r in rows],
             [r.priority for r in rows],
             [r.labels for r in rows],
             [r.fires for r in rows],
@@ -534,6 +544,28 @@ class Store:
 
     async def advance_index_generation(self, generation: int) -> None:
         await self.pool.execute(QUERIES["advance_index_generation"], generation)
+
+    async def rewrite_compact_form(self, form: compact.Form, batch: int = 1000) -> int:
+        """Store every schedule's compact value in ``form`` (``cronbus migrate --compact-form``):
+        before going back to a version that reads only JSON, or to convert the table at once.
+        Keyset pages, each its own short statement; returns how many rows were rewritten."""
+        rewritten = 0
+        after = ("", "")
+        while True:
+            records = await self.pool.fetch(QUERIES["compact_page"], *after, batch)
+            other = [r for r in records if compact.is_json(r["compact"]) != (form == "json")]
+            if other:
+                status = await self.pool.execute(
+                    QUERIES["rewrite_compact"],
+                    [r["namespace"] for r in other],
+                    [r["id"] for r in other],
+                    [r["version"] for r in other],
+                    [compact.stored_form(r["compact"], form) for r in other],
+                )
+                rewritten += int(status.split()[-1])
+            if len(records) < batch:
+                return rewritten
+            after = (records[-1]["namespace"], records[-1]["id"])
 
     async def schedule_versions(self, members: Sequence[tuple[str, str]]) -> list[LiveSchedule]:
         records = await self.pool.fetch(

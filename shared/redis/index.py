@@ -26,6 +26,7 @@ from shared.contract.entries import (
 )
 from shared.redis import lua
 from shared.redis.connection import RedisClient
+from shared.rules import compact
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,18 @@ def _parse_claim(shard: int, reply: list[Any]) -> ClaimResult:
 class Index:
     """The sharded index under one key prefix."""
 
-    def __init__(self, client: RedisClient, redis_keys: keys.RedisKeys, shards: int) -> None:
+    def __init__(
+        self,
+        client: RedisClient,
+        redis_keys: keys.RedisKeys,
+        shards: int,
+        compact_form: compact.Form = "binary",
+    ) -> None:
         self.client = client
         self.keys = redis_keys
         self.shards = shards
+        #: The form schedules are written in (CRONBUS_COMPACT_FORM); both are read.
+        self.compact_form = compact_form
 
     def shard_of(self, namespace: str, schedule_id: str) -> int:
         return keys.shard_of(namespace, schedule_id, self.shards)
@@ -306,7 +315,8 @@ class Index:
         for shard, batch in items.items():
             args: list[Any] = []
             for u in batch:
-                args += [u.member, u.version, u.plan, u.mode, _opt(u.next_fire_ms), u.next_occ]
+                plan = compact.stored_form(u.plan, self.compact_form)
+                args += [u.member, u.version, plan, u.mode, _opt(u.next_fire_ms), u.next_occ]
             calls.append(
                 (
                     "upsert",

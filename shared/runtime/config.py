@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.contract.validation import TargetPolicy
 from shared.policy import exchanges, netpolicy
+from shared.rules import compact
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -46,6 +47,10 @@ class CommonSettings(BaseSettings):
     database_url: str = "postgresql://postgres@127.0.0.1:5432/cronbus"
     #: Logical shards of the index; fixed at install (changing it needs a rebuild).
     shards: int = Field(default=16, ge=1, le=1024)
+    #: How schedules are written to Redis and PostgreSQL: binary (msgpack, about half the
+    #: bytes) or json, what versions before 2026-11-26 wrote and read. Both are always read;
+    #: json is for the length of a rolling upgrade from such a version (see Upgrading).
+    compact_form: compact.Form = "binary"
     #: Port of /metrics, /healthz and /readyz (0: any free port, logged at start).
     metrics_port: int = Field(default=9100, ge=0, le=65535)
     #: How long a claimed occurrence may stay in flight before the sweeper reclaims it.

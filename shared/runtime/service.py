@@ -378,7 +378,12 @@ class Connections:
         self.settings = settings
         self.name = name
         self.redis = connection.connect(settings)
-        self.index = index.Index(self.redis, keys.RedisKeys(settings.redis_prefix), settings.shards)
+        self.index = index.Index(
+            self.redis,
+            keys.RedisKeys(settings.redis_prefix),
+            settings.shards,
+            settings.compact_form,
+        )
         self._store: Store | None = None
         self._amqp: AbstractRobustConnection | None = None
         checks: dict[str, Check] = {"redis": self.redis.ping, "postgres": self._ping_postgres}
@@ -429,7 +434,7 @@ class Connections:
             self.index.load_scripts, what="redis", stopping=stopping, setting="CRONBUS_REDIS_URL"
         )
         self._store = await transient.retry(
-            lambda: Store.open(settings.database_url),
+            lambda: Store.open(settings.database_url, compact_form=settings.compact_form),
             what="postgres",
             stopping=stopping,
             setting="CRONBUS_DATABASE_URL",

@@ -22,9 +22,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from cronbus.cli.sink import Sink
-from shared.contract import codec, timefmt
+from shared.contract import codec, keys, timefmt
 from shared.policy import netpolicy
-from shared.rules import schedule
+from shared.rules import compact, schedule
 from tests.support import private, services
 from tests.support.commands import CommandClient
 from tests.support.stack import Stack
@@ -269,6 +269,47 @@ async def test_redis_flushed(
     client = aioredis.Redis.from_url(servers.redis.url)
     try:
         assert await client.get(f"{env['CRONBUS_REDIS_PREFIX']}:meta:epoch") is not None
+    finally:
+        await client.aclose()
+
+
+async def stored_plans(client: aioredis.Redis, prefix: str) -> list[bytes]:
+    redis_keys = keys.RedisKeys(prefix)
+    found: list[bytes] = []
+    for shard in range(4):
+        values = (await client.hgetall(redis_keys.sched(shard))).values()
+        found += [v for v in values if isinstance(v, bytes)]
+    return found
+
+
+async def test_a_rolling_upgrade_to_the_binary_form_and_a_rebuild_lose_nothing(
+    stack: Stack, sink: Sink, env: dict[str, str], servers: private.PrivateServices
+) -> None:
+    """The upgrade docs/upgrading.md gives: services writing the JSON form (as versions
+    before the binary form did) replaced one at a time by services writing the binary form,
+    then the index rebuilt in place (its epoch deleted). Firing goes on throughout, and the
+    rebuild leaves every schedule in Redis in the binary form."""
+    env["CRONBUS_COMPACT_FORM"] = "json"
+    prefix = env["CRONBUS_REDIS_PREFIX"]
+    client = aioredis.Redis.from_url(servers.redis.url)
+
+    async def chaos() -> None:
+        before = await stored_plans(client, prefix)
+        assert len(before) == SCHEDULES and all(compact.is_json(v) for v in before)
+        for name in ("dispatcher", "executor", "executor", "sweeper"):
+            old = stack.running(name)[0]
+            await stack.wait_ready(stack.start(name, CRONBUS_COMPACT_FORM="binary"))
+            assert await stack.stop(old) == 0, old.tail()
+        assert await client.delete(keys.RedisKeys(prefix).epoch) == 1
+        deadline = time.monotonic() + 60
+        while await client.get(keys.RedisKeys(prefix).epoch) is None:
+            assert time.monotonic() < deadline, stack.tails()
+            await asyncio.sleep(0.2)
+
+    try:
+        await run_scenario("upgrade to the binary form", stack, sink, env, chaos)
+        after = await stored_plans(client, prefix)
+        assert len(after) == SCHEDULES and not any(compact.is_json(v) for v in after)
     finally:
         await client.aclose()
 

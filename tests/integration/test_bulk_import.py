@@ -16,6 +16,7 @@ from shared.postgres import bulk
 from shared.postgres.store import Store
 from shared.redis.index import Index
 from shared.rules import compact
+from shared.rules.plan import IntervalRule
 
 NOW = int(time.time() * 1000)
 
@@ -304,3 +305,74 @@ async def test_a_schedule_created_by_a_command_while_the_batch_runs_is_replaced_
     # never sees the difference.
     assert version == 2
     assert result.created == 0
+
+
+@pytest.mark.parametrize("form", ["binary", "json"])
+async def test_schedules_are_written_in_the_configured_form_and_read_in_either(
+    database_url: str, index: Index, form: compact.Form
+) -> None:
+    """CRONBUS_COMPACT_FORM=json keeps what versions before the binary form can read, in
+    PostgreSQL and in Redis, for the length of a rolling upgrade; services writing the binary
+    form then read and replace those values."""
+
+    async def stored_forms(version: int) -> tuple[bytes, bytes]:
+        conn = await asyncpg.connect(database_url)
+        try:
+            row = await conn.fetchrow("SELECT version, compact FROM schedules WHERE id = 'f'")
+        finally:
+            await conn.close()
+        in_redis = await index.stored_plan(index.shard_of("imp", "f"), "imp/f")
+        assert row is not None and in_redis is not None and row["version"] == version
+        assert compact.decode(in_redis) == compact.decode(row["compact"])
+        return row["compact"], in_redis
+
+    for version, (writer, every_s) in enumerate([(form, 60), ("binary", 120)], start=1):
+        store = await Store.open(database_url, compact_form=writer)
+        written_as = Index(index.client, index.keys, index.shards, writer)
+        try:
+            schedule = line("f", kind="interval", every_s=every_s)
+            await bulk.import_lines([schedule], "imp", store, written_as, LOCAL, workers=1)
+        finally:
+            await store.close()
+        in_postgres, in_redis = await stored_forms(version)
+        assert compact.is_json(in_postgres) == compact.is_json(in_redis) == (writer == "json")
+        assert compact.decode(in_redis).rule == IntervalRule(every_s * 1000)
+
+
+@pytest.mark.parametrize("form", ["binary", "json"])
+async def test_migrate_rewrites_every_schedule_in_one_form(
+    database_url: str, index: Index, form: compact.Form
+) -> None:
+    """``cronbus migrate --compact-form``: rows of the other form rewritten, page by page,
+    the same schedules; rows already in the form left alone."""
+    writers: list[tuple[compact.Form, list[str]]] = [
+        ("json", ["j0", "j1", "j2"]),
+        ("binary", ["b0", "b1"]),
+    ]
+    for writer, ids in writers:
+        store = await Store.open(database_url, compact_form=writer)
+        try:
+            lines = [line(i, kind="interval", every_s=60 + n) for n, i in enumerate(ids)]
+            await bulk.import_lines(lines, "imp", store, index, LOCAL, workers=1)
+        finally:
+            await store.close()
+    conn = await asyncpg.connect(database_url)
+    try:
+        before = {
+            r["id"]: r["compact"] for r in await conn.fetch("SELECT id, compact FROM schedules")
+        }
+        store = await Store.open(database_url)
+        try:
+            assert await store.rewrite_compact_form(form, batch=2) == (3 if form == "binary" else 2)
+            assert await store.rewrite_compact_form(form, batch=2) == 0
+        finally:
+            await store.close()
+        after = {
+            r["id"]: r["compact"] for r in await conn.fetch("SELECT id, compact FROM schedules")
+        }
+    finally:
+        await conn.close()
+    assert after.keys() == before.keys()
+    for schedule_id, value in after.items():
+        assert compact.is_json(value) == (form == "json")
+        assert compact.decode(value) == compact.decode(before[schedule_id])

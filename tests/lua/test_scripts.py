@@ -382,3 +382,57 @@ async def test_the_catch_up_flag_survives_retry_reclaim_and_claim(index: Index) 
     assert await index.reclaim([0], limit=10, now_ms=NOW + 10) == {0: (1, 0)}
     [reclaimed] = (await index.claim([0], limit=1, lease_ms=1, now_ms=NOW + 11))[0].claimed
     assert reclaimed.catch_up and reclaimed.fires == 2
+
+
+def json_plan(version: int) -> bytes:
+    """A value as versions before the binary form stored it."""
+    return compact.encode_json(compact.decode(plan(version)))
+
+
+@pytest.mark.parametrize("stored_as", ["binary", "json"])
+@pytest.mark.parametrize("version", [7, 2**40 + 3])
+async def test_the_version_is_read_from_values_in_either_form(
+    index: Index, stored_as: str, version: int
+) -> None:
+    """Every script that compares versions reads both the binary form and the JSON form an
+    index written before it still holds; a write stores the binary form."""
+    value = plan(version) if stored_as == "binary" else json_plan(version)
+    for member in ("ns/up", "ns/rm", "ns/fin"):
+        await add(index, 0, member, NOW - 1, version=version)
+        await index.client.hset(index.keys.sched(0), member, value)
+    # upsert.lua: older is stale, the same version already applied, newer written.
+    assert await add(index, 0, "ns/up", NOW + 1, version=version - 1) == -1
+    due_before = await index.client.zscore(index.keys.due(0), "ns/up")
+    assert await add(index, 0, "ns/up", NOW + 1, version=version) == 0
+    # The same version again (a rebuild) leaves the rotation and stores the binary form.
+    assert await index.client.hget(index.keys.sched(0), "ns/up") == plan(version)
+    assert await index.client.zscore(index.keys.due(0), "ns/up") == due_before
+    assert await add(index, 0, "ns/up", NOW + 1, version=version + 1) == 1
+    stored = await index.client.hget(index.keys.sched(0), "ns/up")
+    assert stored == plan(version + 1) and compact.version_of(stored) == version + 1
+    # remove.lua: an older removal is stale; a removal at no version buries the stored one.
+    assert await index.remove({0: [("ns/rm", version - 1)]}) == {0: [-1]}
+    assert await index.remove({0: [("ns/rm", None)]}) == {0: [1]}
+    tombstone = await index.client.hget(index.keys.gone(0), "ns/rm")
+    assert isinstance(tombstone, bytes) and tombstone.startswith(b"%d|" % version)
+    # complete.lua: a finish leaves a tombstone at the stored version, written out in full.
+    [result] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
+    token = next(c.token for c in result.claimed if c.member == "ns/fin")
+    done = await index.complete({0: [Completion("ns/fin", token, None, "", finish=True)]}, NOW)
+    assert done == {0: [1]}
+    assert await index.client.hget(index.keys.gone(0), "ns/fin") == b"%d|%d|f" % (version, NOW)
+
+
+async def test_an_upsert_stores_the_form_its_index_writes_whatever_it_was_given(
+    index: Index,
+) -> None:
+    """A rebuild is the migration either way: what reaches Redis is in the form the services
+    write (CRONBUS_COMPACT_FORM) whatever PostgreSQL holds, at the same version too."""
+    upsert = Upsert("ns/old", 4, json_plan(4), "keep", NOW + 5, "")
+    assert await index.upsert({1: [upsert]}) == {1: [1]}
+    assert await index.client.hget(index.keys.sched(1), "ns/old") == plan(4)
+    as_json = Index(index.client, index.keys, index.shards, "json")
+    upsert = Upsert("ns/old", 4, plan(4), "keep", NOW + 5, "")
+    assert await as_json.upsert({1: [upsert]}) == {1: [0]}
+    assert await index.client.hget(index.keys.sched(1), "ns/old") == json_plan(4)
+    assert await index.client.zscore(index.keys.due(1), "ns/old") == NOW + 5

@@ -594,3 +594,19 @@ FROM unnest($1::text[], $2::text[]) AS r(namespace, id)
 JOIN schedules AS s ON s.namespace = r.namespace AND s.id = r.id
 WHERE s.shard IS NOT NULL AND s.position > 0
 GROUP BY s.shard;
+
+-- compact_page --
+-- Schedules after ($1, $2) in key order, $3 at most: their compact values (the form rewrite).
+SELECT namespace, id, version, compact
+FROM schedules
+WHERE (namespace, id) > ($1, $2)
+ORDER BY namespace, id
+LIMIT $3;
+
+-- rewrite_compact --
+-- The compact values of these schedules in another form, each only at the version it was read
+-- at: a command that wrote the schedule since wrote its value in its own services' form.
+UPDATE schedules AS s
+SET compact = r.compact
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bytea[]) AS r(namespace, id, version, compact)
+WHERE s.namespace = r.namespace AND s.id = r.id AND s.version = r.version;

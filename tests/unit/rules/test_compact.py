@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
+import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -53,7 +55,7 @@ rules = st.one_of(
 targets = st.one_of(
     st.builds(
         WebhookPlan,
-        st.just("http://sink:8080/hook"),
+        st.sampled_from(["http://sink:8080/hook", "https://sink/hook", "http://[::1]:9/x"]),
         st.sampled_from(["GET", "POST", "PUT"]),
         headers,
         bodies.map(encoded_body),
@@ -108,9 +110,36 @@ plans = st.builds(
 def test_round_trip_is_lossless(plan: Plan) -> None:
     raw = compact.encode(plan)
     assert compact.decode(raw) == plan
-    # The Lua scripts read the version with this pattern instead of decoding JSON.
+    # The Lua scripts read the version alone, as the first msgpack object (lib/plan_version.lua).
+    unpacker = msgpack.Unpacker()
+    unpacker.feed(raw)
+    assert unpacker.unpack() == plan.version
+
+
+@given(plans)
+def test_the_json_form_of_earlier_versions_is_still_read(plan: Plan) -> None:
+    raw = compact.encode_json(plan)
     match = re.match(rb'^{"v":(\d+)', raw)
     assert match is not None and int(match.group(1)) == plan.version
+    assert compact.decode(raw) == plan
+    assert compact.version_of(raw) == plan.version
+    # A rebuild stores it again in the binary form.
+    assert compact.stored_form(raw) == compact.encode(plan)
+
+
+@given(plans)
+def test_deliveries_embed_the_json_form(plan: Plan) -> None:
+    assert compact.as_json(compact.encode(plan)) == compact.encode_json(plan)
+    assert compact.as_json(compact.encode_json(plan)) == compact.encode_json(plan)
+
+
+@given(plans, st.integers(1, 10**12))
+def test_a_new_version_keeps_everything_else(plan: Plan, version: int) -> None:
+    expected = dataclasses.replace(plan, version=version)
+    for raw in (compact.encode(plan), compact.encode_json(plan)):
+        changed = compact.with_version(raw, version)
+        assert compact.decode(changed) == expected
+        assert changed == compact.encode(expected)
 
 
 def test_a_typical_schedule_is_small() -> None:
@@ -121,8 +150,26 @@ def test_a_typical_schedule_is_small() -> None:
             "target": {"kind": "webhook", "url": "http://127.0.0.1:8080/hook"},
         }
     )
-    raw = compact.encode(plan_of(item, 1))
-    assert raw == b'{"v":1,"i":60000,"u":"http://127.0.0.1:8080/hook"}'
+    plan = plan_of(item, 1)
+    assert compact.encode_json(plan) == b'{"v":1,"i":60000,"u":"http://127.0.0.1:8080/hook"}'
+    # Whole seconds stored as seconds, the scheme as a key, keys one byte each: 27 bytes
+    # where JSON takes 51.
+    assert compact.encode(plan) == b"\x01\x82\x1b<\x1f\xb3127.0.0.1:8080/hook"
+
+
+def test_times_not_in_whole_seconds_are_kept_in_milliseconds() -> None:
+    item = models.Schedule.model_validate(
+        {
+            "id": "s-000002",
+            "spec": {"kind": "interval", "every_s": 1.5, "start_at": "2026-01-01T00:00:00.250Z"},
+            "target": {"kind": "webhook", "url": "https://billing.example/hook"},
+        }
+    )
+    plan = plan_of(item, 3)
+    assert compact.decode(compact.encode(plan)) == plan
+    raw = compact.encode(plan)
+    assert msgpack.packb(1500) in raw and msgpack.packb(1767225600250) in raw
+    assert b"https" not in raw and b"billing.example/hook" in raw
 
 
 @given(plans)
