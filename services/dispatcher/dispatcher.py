@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange
 
+from services.dispatcher import pacing
 from services.dispatcher.fence import Fence
 from shared.contract import delivery, keys
 from shared.contract.entries import Claimed, ClaimResult
@@ -255,8 +256,17 @@ class Dispatcher:
         if any(r.fenced for r in results):
             # A fenced shard is looked at again soon: the sweeper's replay ends the fence.
             upcoming.append(now_ms + round(FENCED_PAUSE_S * 1000))
-        delay_ms = (min(upcoming) - now_ms) if upcoming else self.settings.max_sleep_s * 1000
-        delay_s = min(max(delay_ms, 0) / 1000, self.settings.max_sleep_s)
+        # At a steady load, without the coalescing window each claim and each message would
+        # carry one or two occurrences.
+        delay_s = (
+            pacing.claim_delay_ms(
+                min(upcoming, default=None),
+                now_ms,
+                self.settings.max_sleep_s * 1000,
+                self.settings.claim_coalesce_ms,
+            )
+            / 1000
+        )
         if delay_s <= 0:
             return
         self._sleep_until_ms = now_ms + delay_s * 1000

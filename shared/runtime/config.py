@@ -181,6 +181,10 @@ class DispatcherSettings(WebhookPolicySettings):
     deliveries_high_water: int = Field(default=50, ge=1)
     #: Longest sleep between claims when nothing is due sooner.
     max_sleep_s: float = Field(default=1.0, gt=0, le=60)
+    #: Shortest sleep between claims that took less than a full batch (ms): fires due within
+    #: it go out together, in one message, instead of one claim and one message each. Adds
+    #: at most this much lateness; 0 claims each as it comes due.
+    claim_coalesce_ms: int = Field(default=5, ge=0, le=1000)
     #: Lease of a dispatcher on the shards it claims from; several dispatchers split the
     #: shards and a dead one's are taken over after this long (0: claim from every shard).
     shard_lease_s: float = Field(default=5, ge=0, le=300)
