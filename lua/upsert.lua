@@ -136,7 +136,7 @@ for i = 1, #ARGV, 6 do
   elseif stored and stored == version then
     -- The same schedule, perhaps in the other form (JSON or binary): it takes the form
     -- written now, and nothing else moves. A rebuild converts the index this way.
-    if (string.sub(stored_plan, 1, 1) == '{') ~= (string.sub(plan, 1, 1) == '{') then
+    if plan_is_json(stored_plan) ~= plan_is_json(plan) then
       redis.call('HSET', sched, member, plan)
     end
     results[#results + 1] = 0

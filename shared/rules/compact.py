@@ -220,7 +220,10 @@ _VERSION = re.compile(rb'\{"v":(\d+)')
 
 
 def is_json(raw: bytes) -> bool:
-    return raw[:1] == b"{"
+    """Whether a stored value is in the JSON form. Two bytes, not one: msgpack packs the
+    version 123 as the single byte ``{``, but a binary value's second byte is its map's header
+    (0x80-0x8f, 0xde or 0xdf), never ``"`` (lib/plan_version.lua reads them the same way)."""
+    return raw[:2] == b'{"'
 
 
 def _binary(version: int, fields: dict[str, Any]) -> bytes:

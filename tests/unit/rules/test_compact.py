@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 import msgpack
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -140,6 +141,22 @@ def test_a_new_version_keeps_everything_else(plan: Plan, version: int) -> None:
         changed = compact.with_version(raw, version)
         assert compact.decode(changed) == expected
         assert changed == compact.encode(expected)
+
+
+@pytest.mark.parametrize("version", [*range(0, 256), 2**53, 2**53 + 1, 2**63, 2**64 - 1])
+def test_every_version_reads_back_in_the_binary_form(version: int) -> None:
+    """The binary form starts with the version as a msgpack integer, and 123 packs as the
+    single byte ``{``: telling the forms apart by their first byte alone took it for JSON
+    (decode and version_of failed; Lua read no version, so a stale write replaced it)."""
+    plan = Plan(version, IntervalRule(60_000), WebhookPlan("http://sink/hook"))
+    raw = compact.encode(plan)
+    assert not compact.is_json(raw)
+    assert compact.version_of(raw) == version
+    assert compact.decode(raw) == plan
+    assert compact.decode(compact.as_json(raw)) == plan
+    assert compact.stored_form(raw) == raw
+    assert compact.is_json(compact.stored_form(raw, "json"))
+    assert compact.with_version(compact.encode_json(plan), version) == raw
 
 
 def test_a_typical_schedule_is_small() -> None:
