@@ -376,3 +376,31 @@ async def test_migrate_rewrites_every_schedule_in_one_form(
     for schedule_id, value in after.items():
         assert compact.is_json(value) == (form == "json")
         assert compact.decode(value) == compact.decode(before[schedule_id])
+
+
+async def test_migrate_to_json_rewrites_a_binary_row_at_version_123(
+    database_url: str, index: Index
+) -> None:
+    """msgpack packs 123 as ``{``: read by its first byte, such a row looked like JSON already,
+    so going back (``cronbus migrate --compact-form json``) left it binary, unreadable by the
+    version gone back to."""
+    store = await Store.open(database_url)
+    try:
+        await bulk.import_lines(
+            [line("v", kind="interval", every_s=60)], "imp", store, index, LOCAL
+        )
+        conn = await asyncpg.connect(database_url)
+        try:
+            row = await conn.fetchrow("SELECT compact FROM schedules WHERE id = 'v'")
+            assert row is not None
+            at_123 = compact.with_version(row["compact"], 123)
+            await conn.execute(
+                "UPDATE schedules SET version = 123, compact = $1 WHERE id = 'v'", at_123
+            )
+            assert await store.rewrite_compact_form("json") == 1
+            value = await conn.fetchval("SELECT compact FROM schedules WHERE id = 'v'")
+        finally:
+            await conn.close()
+    finally:
+        await store.close()
+    assert value.startswith(b'{"v":123,') and compact.decode(value) == compact.decode(at_123)
