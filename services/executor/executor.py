@@ -46,6 +46,8 @@ BATCH_ITEMS = 2000
 WAKE_HORIZON_MS = 1500
 #: Longest wait of a begin or gate call for others to share its round trip (lateness).
 BEGIN_FLUSH_MS = 5
+#: A bug met on the way, raised once the others of the message are settled.
+Failure = BaseException | None
 
 
 class Executor:
@@ -235,25 +237,31 @@ class Executor:
         for claim in waiting:
             claim.add_done_callback(arrivals.add)
         attempts = waves.Watched(arrivals)
+        later: waves.Later = []  # events, failure counts (a pause may wait for PostgreSQL)
         failure: BaseException | None = None
         try:
             if granted:
-                failure = await waves.kept(self._start(granted, attempts))
+                failure = await waves.kept(self._start(granted, attempts, later))
             while waiting or attempts:
                 done = await arrivals.next()
                 now_granted = self._granted(done, waiting, claims)
                 ended, failed = waves.ended(done, attempts)
                 failures = [failure, failed]
                 if now_granted:
-                    failures.append(await waves.kept(self._start(now_granted, attempts)))
+                    failures.append(await waves.kept(self._start(now_granted, attempts, later)))
                 if ended:
-                    failures.append(await waves.kept(self._settle_ended(ended)))
+                    failures.append(await waves.kept(self._settle_ended(ended, later)))
                 failure = next((f for f in failures if f is not None), None)
+            for result in await asyncio.gather(*later, return_exceptions=True):
+                if isinstance(result, BaseException):
+                    failure = failure or result
         finally:
             for claim in waiting:
                 self.fair_slots.withdraw(claims[claim].namespace, claim)
             for attempt in attempts:
                 attempt.cancel()
+            for pending in later:
+                pending.cancel()
         if failure is not None:
             raise failure
 
@@ -274,16 +282,15 @@ class Executor:
         return granted
 
     async def _start(
-        self, granted: Sequence[Occurrence], attempts: waves.Watched
-    ) -> BaseException | None:
+        self, granted: Sequence[Occurrence], attempts: waves.Watched, later: waves.Later
+    ) -> Failure:
         """Begin occurrences holding a slot each, in one round trip (the lease is checked
         and extended only now, right before the delivery: one whose lease ran out while it
         waited was handed out again by the sweeper, and is left to that copy; misfire
         decisions use the Redis clock this answers with); their attempts go into
         ``attempts``, each giving its slot back when it ends. A stale one gives its slot back
-        at once, as does one the misfire policy skips (settled here, nothing delivered), or
-        one whose judging failed (a bug: the first such failure is returned, the others go
-        on)."""
+        at once, as does one the misfire policy skips (settled here) or one whose judging
+        failed (a bug: the first is returned, the others go on)."""
         unused = len(granted)
         failure: BaseException | None = None
         try:
@@ -322,14 +329,14 @@ class Executor:
         finally:
             for _ in range(unused):
                 self.fair_slots.release()
-        await self._settle_many(skipped)
+        await self._settle_many(skipped, later)
         return failure
 
-    async def _settle_ended(self, ended: Sequence[waves.Attempt]) -> BaseException | None:
+    async def _settle_ended(self, ended: Sequence[waves.Attempt], later: waves.Later) -> Failure:
         """Settle attempts that ended together; one whose settlement cannot be decided (a
         bug) is left out (the first such failure is returned), the others are settled."""
         settled, failure = waves.settlements(ended, self.rng)
-        await self._settle_many(settled)
+        await self._settle_many(settled, later)
         if self.spans is not None:
             for a in ended:
                 tally.record_spans(self.spans, a.occ, a.key, a.outcome, a.started, a.finished)
@@ -495,11 +502,12 @@ class Executor:
             metrics.BACKFILL_DELIVERED.labels(attempt_result).inc()
         return outcome, started, finished
 
-    async def _settle_many(self, settled: Sequence[tuple[Occurrence, Settlement]]) -> None:
-        """Settle occurrences: their completions in one submission, their retries in another
-        (each joins the next batched round trip), both at once. What one of them wrote is
-        recorded (audit row, checkpoint) even when the other fails (a shutdown during an
-        outage), and the failure raised after."""
+    async def _settle_many(
+        self, settled: Sequence[tuple[Occurrence, Settlement]], later: waves.Later | None = None
+    ) -> None:
+        """Their completions in one submission, their retries in another, both at once: what
+        one wrote is recorded (row, checkpoint) even when the other fails (a shutdown in an
+        outage), the failure raised after. What follows is waited for, or left in ``later``."""
         if not settled:
             return
         completions = [(occ.shard, s.completion) for occ, s in settled if s.completion is not None]
@@ -514,7 +522,7 @@ class Executor:
             return_exceptions=True,
         )
         codes = [iter(r) if isinstance(r, list) else None for r in results]
-        later: list[Awaitable[None]] = []
+        follow: list[Awaitable[None]] = []
         for occ, settlement in settled:
             found = codes[settlement.completion is None]
             if found is None:
@@ -524,12 +532,14 @@ class Executor:
                 metrics.RETRIES.inc()
             self._settled(occ, settlement, code)
             if self.events.wanted(settlement.event):
-                later.append(self.events.publish(settlement.event, settlement.row))
+                follow.append(self.events.publish(settlement.event, settlement.row))
             if code and occ.plan.pause_after_failures is not None:
-                later.append(self.autopause.record(occ, settlement.event))
+                follow.append(self.autopause.record(occ, settlement.event))
         self.audit.update()
-        if later:
-            await asyncio.gather(*later)
+        if follow and later is not None:
+            later.append(asyncio.gather(*follow))
+        elif follow:
+            await asyncio.gather(*follow)
         for result in results:
             if isinstance(result, BaseException):
                 raise result

@@ -30,6 +30,11 @@ class Attempt:
     settled_now: int
 
 
+#: What follows settlements (events, failure counts, pauses) and goes on beside the waves:
+#: a message waits for it once all its occurrences are settled, before it is acknowledged.
+Later = list[asyncio.Future[Any]]
+
+
 class Arrivals:
     """Futures as they end, awaited a batch at a time: one callback per future, where
     ``asyncio.wait`` would add and remove one on every future still pending, every time."""

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aio_pika
+import asyncpg
 import pytest
 from aio_pika.abc import (
     AbstractChannel,
@@ -37,14 +38,22 @@ from shared.runtime.config import ExecutorSettings
 IDS = ("a", "b", "c")
 
 
-async def claim_message(index: Index, store: Store, sink: Sink, ids: tuple[str, ...]) -> bytes:
-    """One delivery message carrying one occurrence of each schedule (``<sink>/<id>``)."""
+async def claim_message(
+    index: Index,
+    store: Store,
+    sink: Sink,
+    ids: tuple[str, ...],
+    extra: dict[str, dict[str, Any]] | None = None,
+) -> bytes:
+    """One delivery message carrying one occurrence of each schedule (``<sink>/<id>``;
+    ``extra``: more fields of some)."""
     lines = [
         codec.dumps(
             {
                 "id": name,
                 "spec": {"kind": "interval", "every_s": 2},
                 "target": {"kind": "webhook", "url": f"{sink.url}/{name}"},
+                **(extra or {}).get(name, {}),
             }
         )
         for name in ids
@@ -231,6 +240,52 @@ async def test_a_wave_whose_retries_cannot_be_written_keeps_what_its_completions
     assert executor.holding() == 1  # b, handed back at shutdown
     again = await harness.queue.get(timeout=5)
     assert again is not None and again.body == body
+
+
+async def test_a_pause_waiting_for_postgresql_holds_up_no_other_settlement(
+    index: Index,
+    store: Store,
+    sink: Sink,
+    harness: Harness,
+) -> None:
+    """Deliveries go on while PostgreSQL is away: a schedule whose failures pause it waits
+    for PostgreSQL to pause it, and the others of its message are settled meanwhile (their
+    leases would otherwise run out, and they would be delivered again)."""
+    body = await claim_message(
+        index,
+        store,
+        sink,
+        IDS,
+        {"b": {"pause_after_failures": 1, "retry": {"max_attempts": 1}}},
+    )
+    occurrences = delivery.decode(body)
+    sink.respond = lambda request: 500 if request.path == "/b" else 200
+    sink.delay_for = lambda request: 0.0 if request.path == "/b" else 0.3
+    executor = harness.executor
+    back = asyncio.Event()
+    real_pause = executor.autopause._pause_in_store
+
+    async def postgres_away(occ: Occurrence, count: int) -> Any:
+        if not back.is_set():
+            raise asyncpg.CannotConnectNowError("the database system is starting up")
+        return await real_pause(occ, count)
+
+    executor.autopause._pause_in_store = postgres_away  # type: ignore[method-assign]
+    task = asyncio.ensure_future(executor.handle(await harness.message(body)))
+    try:
+        others = [occ for occ in occurrences if occ.id != "b"]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if all([await completed(index, occ) for occ in others]):
+                break
+            await asyncio.sleep(0.05)
+        settled = [occ.id for occ in others if await completed(index, occ)]
+        assert settled == ["a", "c"], "one schedule's pause held up its neighbours' settlement"
+    finally:
+        back.set()
+        await asyncio.wait_for(task, 10)
+    row = await store.get_schedule("wv", "b")
+    assert row is not None and row.state == "paused"
 
 
 async def test_a_message_cut_off_mid_wave_gives_back_every_slot_and_claim(
