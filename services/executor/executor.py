@@ -46,6 +46,8 @@ BATCH_ITEMS = 2000
 WAKE_HORIZON_MS = 1500
 #: Longest wait of a begin or gate call for others to share its round trip (lateness).
 BEGIN_FLUSH_MS = 5
+#: A bug met on the way, raised once the others of the message are settled.
+Failure = BaseException | None
 
 
 class Executor:
@@ -235,24 +237,31 @@ class Executor:
         for claim in waiting:
             claim.add_done_callback(arrivals.add)
         attempts = waves.Watched(arrivals)
+        later: waves.Later = []  # events, failure counts (a pause may wait for PostgreSQL)
         failure: BaseException | None = None
         try:
             if granted:
-                await self._start(granted, attempts)
+                failure = await waves.kept(self._start(granted, attempts, later))
             while waiting or attempts:
                 done = await arrivals.next()
                 now_granted = self._granted(done, waiting, claims)
                 ended, failed = waves.ended(done, attempts)
-                failure = failure or failed
+                failures = [failure, failed]
                 if now_granted:
-                    await self._start(now_granted, attempts)
+                    failures.append(await waves.kept(self._start(now_granted, attempts, later)))
                 if ended:
-                    await self._settle_ended(ended)
+                    failures.append(await waves.kept(self._settle_ended(ended, later)))
+                failure = next((f for f in failures if f is not None), None)
+            for result in await asyncio.gather(*later, return_exceptions=True):
+                if isinstance(result, BaseException):
+                    failure = failure or result
         finally:
             for claim in waiting:
                 self.fair_slots.withdraw(claims[claim].namespace, claim)
             for attempt in attempts:
                 attempt.cancel()
+            for pending in later:
+                pending.cancel()
         if failure is not None:
             raise failure
 
@@ -272,14 +281,18 @@ class Executor:
             granted.append(occ)
         return granted
 
-    async def _start(self, granted: Sequence[Occurrence], attempts: waves.Watched) -> None:
+    async def _start(
+        self, granted: Sequence[Occurrence], attempts: waves.Watched, later: waves.Later
+    ) -> Failure:
         """Begin occurrences holding a slot each, in one round trip (the lease is checked
         and extended only now, right before the delivery: one whose lease ran out while it
         waited was handed out again by the sweeper, and is left to that copy; misfire
         decisions use the Redis clock this answers with); their attempts go into
         ``attempts``, each giving its slot back when it ends. A stale one gives its slot back
-        at once, as does one the misfire policy skips (settled here, nothing delivered)."""
+        at once, as does one the misfire policy skips (settled here) or one whose judging
+        failed (a bug: the first is returned, the others go on)."""
         unused = len(granted)
+        failure: BaseException | None = None
         try:
             begun = self.now_ms()
             items = [
@@ -297,12 +310,18 @@ class Executor:
                     self.fair_slots.release()
                     continue
                 self._holding[(occ.shard, occ.member)] = occ.token
-                key = occ.idempotency_key
-                chosen = settle.missed_choice(occ, now)
+                try:
+                    key = occ.idempotency_key
+                    chosen = settle.missed_choice(occ, now)
+                    if chosen != occ.nominal_ms:
+                        skipped.append((occ, settle.skip(occ, key, chosen, now)))
+                        tally.log_misfire(occ, chosen)
+                except Exception as exc:  # noqa: BLE001 - returned, raised once all are settled
+                    self.fair_slots.release()
+                    failure = failure or exc
+                    continue
                 if chosen != occ.nominal_ms:
                     self.fair_slots.release()
-                    tally.log_misfire(occ, chosen)
-                    skipped.append((occ, settle.skip(occ, key, chosen, now)))
                     continue
                 attempt = asyncio.ensure_future(self._attempt(occ, key, now, begun))
                 attempt.add_done_callback(lambda _: self.fair_slots.release())
@@ -310,23 +329,18 @@ class Executor:
         finally:
             for _ in range(unused):
                 self.fair_slots.release()
-        await self._settle_many(skipped)
+        await self._settle_many(skipped, later)
+        return failure
 
-    async def _settle_ended(self, ended: Sequence[waves.Attempt]) -> None:
-        await self._settle_many(
-            [
-                (
-                    a.occ,
-                    settle.settle(
-                        a.occ, a.key, a.outcome, a.now, a.settled_now, a.settled_now, self.rng
-                    ),
-                )
-                for a in ended
-            ]
-        )
+    async def _settle_ended(self, ended: Sequence[waves.Attempt], later: waves.Later) -> Failure:
+        """Settle attempts that ended together; one whose settlement cannot be decided (a
+        bug) is left out (the first such failure is returned), the others are settled."""
+        settled, failure = waves.settlements(ended, self.rng)
+        await self._settle_many(settled, later)
         if self.spans is not None:
             for a in ended:
                 tally.record_spans(self.spans, a.occ, a.key, a.outcome, a.started, a.finished)
+        return failure
 
     async def _attempt(
         self, occ: Occurrence, key: str, now: int, begun: int
@@ -383,7 +397,7 @@ class Executor:
                     "poison delivery: occurrence ends dead",
                     extra={"action": "poison", "schedule": occ.member, "reason": reason},
                 )
-                await self._settle(occ, settle.poisoned(occ, key, reason, now))
+                await self._settle_many([(occ, settle.poisoned(occ, key, reason, now))])
         await message.ack()
 
     async def hold(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
@@ -488,9 +502,12 @@ class Executor:
             metrics.BACKFILL_DELIVERED.labels(attempt_result).inc()
         return outcome, started, finished
 
-    async def _settle_many(self, settled: Sequence[tuple[Occurrence, Settlement]]) -> None:
-        """``_settle`` for many: their completions in one submission, their retries in
-        another (each joins the next batched round trip)."""
+    async def _settle_many(
+        self, settled: Sequence[tuple[Occurrence, Settlement]], later: waves.Later | None = None
+    ) -> None:
+        """Their completions in one submission, their retries in another, both at once: what
+        one wrote is recorded (row, checkpoint) even when the other fails (a shutdown in an
+        outage), the failure raised after. What follows is waited for, or left in ``later``."""
         if not settled:
             return
         completions = [(occ.shard, s.completion) for occ, s in settled if s.completion is not None]
@@ -499,63 +516,46 @@ class Executor:
             for occ, s in settled
             if s.completion is None
         ]
-        completed: list[int] = []
-        retried: list[int] = []
-        if completions:
-            completed = await transient.retry(
-                lambda: self._complete.submit_many(completions),
-                what="complete",
-                stopping=self.stopping,
-            )
-        if retries:
-            retried = await transient.retry(
-                lambda: self._retry.submit_many(retries), what="retry", stopping=self.stopping
-            )
-        completed_codes, retried_codes = iter(completed), iter(retried)
-        later: list[Awaitable[None]] = []
+        results = await asyncio.gather(
+            self._submitted(self._complete, completions, "complete"),
+            self._submitted(self._retry, retries, "retry"),
+            return_exceptions=True,
+        )
+        codes = [iter(r) if isinstance(r, list) else None for r in results]
+        follow: list[Awaitable[None]] = []
         for occ, settlement in settled:
-            if settlement.completion is not None:
-                code = next(completed_codes)
-            else:
-                code = next(retried_codes)
-                if code:
-                    metrics.RETRIES.inc()
-            self._settled(occ, settlement, code, many=True)
-            if self.events.wanted(settlement.event):
-                later.append(self.events.publish(settlement.event, settlement.row))
-            if code and occ.plan.pause_after_failures is not None:
-                later.append(self.autopause.record(occ, settlement.event))
-        self.audit.update()
-        if later:
-            await asyncio.gather(*later)
-
-    async def _settle(self, occ: Occurrence, settlement: Settlement) -> None:
-        if settlement.completion is not None:
-            completion = settlement.completion
-            code = await transient.retry(
-                lambda: self._complete.submit((occ.shard, completion)),
-                what="complete",
-                stopping=self.stopping,
-            )
-        else:
-            delay = settlement.retry_delay_ms or 0
-            code = await transient.retry(
-                lambda: self._retry.submit((occ.shard, (occ.member, occ.token, delay))),
-                what="retry",
-                stopping=self.stopping,
-            )
-            if code:
+            found = codes[settlement.completion is None]
+            if found is None:
+                continue  # its round trip failed: raised below
+            code = next(found)
+            if code and settlement.completion is None:
                 metrics.RETRIES.inc()
-        self._settled(occ, settlement, code)
-        await self.events.publish(settlement.event, settlement.row)
-        if code:
-            await self.autopause.record(occ, settlement.event)
+            self._settled(occ, settlement, code)
+            if self.events.wanted(settlement.event):
+                follow.append(self.events.publish(settlement.event, settlement.row))
+            if code and occ.plan.pause_after_failures is not None:
+                follow.append(self.autopause.record(occ, settlement.event))
+        self.audit.update()
+        if follow and later is not None:
+            later.append(asyncio.gather(*follow))
+        elif follow:
+            await asyncio.gather(*follow)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
-    def _settled(
-        self, occ: Occurrence, settlement: Settlement, code: int, *, many: bool = False
-    ) -> None:
-        """What follows a settlement in Redis: counted, audited and logged (``many``: one of
-        several, the audit buffer's limit checked once after them all)."""
+    async def _submitted(
+        self, batcher: Batcher[Any, int], items: list[Any], what: str
+    ) -> list[int]:
+        if not items:
+            return []
+        return await transient.retry(
+            lambda: batcher.submit_many(items), what=what, stopping=self.stopping
+        )
+
+    def _settled(self, occ: Occurrence, settlement: Settlement, code: int) -> None:
+        """What follows a settlement in Redis: counted, audited and logged (the audit
+        buffer's limit is checked by the caller, once for many)."""
         self._holding.pop((occ.shard, occ.member), None)
         if not code:
             # Reclaimed or revoked while we delivered: another message carries it now.
@@ -563,7 +563,7 @@ class Executor:
         if settlement.event == "dead":
             metrics.DEAD.inc()
         tally.count_outcome(occ.namespace, settlement)
-        self.audit.add(settlement.row, settlement.checkpoint if code else None, update=not many)
+        self.audit.add(settlement.row, settlement.checkpoint if code else None, update=False)
         if code and occ.is_backfill and settlement.completion is not None:
             self.audit.add_backfill(tally.backfill_progress(occ, settlement.completion, code))
         tally.log_settlement(occ, settlement)

@@ -4,11 +4,15 @@ batch at a time as they end."""
 from __future__ import annotations
 
 import asyncio
+import random
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.executor.settle import Outcome
+from services.executor import settle
+from services.executor.settle import Outcome, Settlement
 from shared.contract.delivery import Occurrence
+from shared.runtime import transient
 
 
 @dataclass(slots=True)
@@ -24,6 +28,11 @@ class Attempt:
     finished: int
     #: The Redis clock when it ended (``now`` plus the host's time since it was begun).
     settled_now: int
+
+
+#: What follows settlements (events, failure counts, pauses) and goes on beside the waves:
+#: a message waits for it once all its occurrences are settled, before it is acknowledged.
+Later = list[asyncio.Future[Any]]
 
 
 class Arrivals:
@@ -79,3 +88,38 @@ def ended(
         if result is not None:
             ended.append(result)
     return ended, failure
+
+
+async def kept(step: Awaitable[BaseException | None]) -> BaseException | None:
+    """A step of a message's waves (beginning some, settling some), with its failure (a bug,
+    not an outage the service stops in) returned, to be raised once the others of the
+    message are settled, as one attempt's is: the deliveries still under way are not cut off
+    by it (they would go out again with the message's redelivery)."""
+    try:
+        return await step
+    except transient.Stopped:
+        raise
+    except Exception as exc:  # noqa: BLE001 - raised by the caller once the rest is done
+        return exc
+
+
+def settlements(
+    ended: Sequence[Attempt], rng: random.Random
+) -> tuple[list[tuple[Occurrence, Settlement]], BaseException | None]:
+    """What ended attempts settle to; one that cannot be decided (a bug) is left out, and
+    the first such failure returned."""
+    settled: list[tuple[Occurrence, Settlement]] = []
+    failure: BaseException | None = None
+    for a in ended:
+        try:
+            settled.append(
+                (
+                    a.occ,
+                    settle.settle(
+                        a.occ, a.key, a.outcome, a.now, a.settled_now, a.settled_now, rng
+                    ),
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - returned, raised once the rest is done
+            failure = failure or exc
+    return settled, failure

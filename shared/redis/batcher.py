@@ -67,10 +67,17 @@ class Batcher(Generic[Item, Result]):
 
     async def submit_many(self, items: Sequence[Item]) -> list[Result]:
         """Several items, one waiter: they join the same flush (or flushes, past
-        ``max_items``) as what others submit meanwhile, at the cost of one future."""
+        ``max_items``) as what others submit meanwhile, at the cost of one future.
+
+        Items that fit in one flush are kept in one (what others submitted is flushed first
+        when they would not fit beside it): the group fails or succeeds as a whole, and a
+        flush that failed must not throw away the results of one that went through (a
+        completion done twice reads as stale the second time, its checkpoint lost)."""
         if not items:
             return []
         loop = asyncio.get_running_loop()
+        if len(self._items) + len(items) > self._max_items >= len(items):
+            self._start_flush()
         group: _Group[Result] = _Group(loop.create_future(), len(items))
         for index, item in enumerate(items):
             self._items.append(item)
