@@ -66,6 +66,8 @@ class Dispatcher:
         self._published_since_check = 0
         self._backlog_checked = 0.0
         self._sleep_until_ms: float = 0
+        #: From a claim until the sleep after it is planned (see pacing.wakes_the_loop).
+        self._claiming = False
         self._redis_offset_ms = 0.0
         self._claim_span_ns = (0, 0)
         #: Occurrences claimed and being published: leased until published or released.
@@ -81,7 +83,8 @@ class Dispatcher:
 
     def wake(self, fire_ms: int) -> None:
         """A schedule is due at ``fire_ms``: wake the loop if it sleeps past it."""
-        if fire_ms <= self._redis_now_ms() + 1 or fire_ms < self._sleep_until_ms:
+        now_ms = self._redis_now_ms()
+        if pacing.wakes_the_loop(fire_ms, now_ms, self._sleep_until_ms, self._claiming):
             self.wake_event.set()
 
     def _redis_now_ms(self) -> float:
@@ -111,6 +114,14 @@ class Dispatcher:
         if self.fence is not None and not self.fence.known.is_set():
             await self._pause(FENCED_PAUSE_S)  # the answered positions are not read yet
             return
+        self._claiming = True
+        try:
+            results = await self._claim_and_publish()
+        finally:
+            self._claiming = False
+        await self._sleep_until_next(results)
+
+    async def _claim_and_publish(self) -> list[ClaimResult]:
         claim_start_ns = time.time_ns() if self.spans is not None else 0
         results = await self.index.claim(
             self.shards,
@@ -136,7 +147,7 @@ class Dispatcher:
             self.publishing = len(claimed)
             await self.publish(claimed)
             self.publishing = 0
-        await self._sleep_until_next(results)
+        return results
 
     async def _index_went_back(self) -> bool:
         """True while the index is of an older generation than one already seen: Redis was
