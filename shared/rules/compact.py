@@ -215,7 +215,6 @@ def _decode_exclusions(data: dict[str, Any]) -> tuple[Exclusion, ...]:
     )
 
 
-_VERSION_PREFIX = b'{"v":'
 _VERSION = re.compile(rb'\{"v":(\d+)')
 
 
@@ -290,12 +289,8 @@ def with_version(raw: bytes, version: int) -> bytes:
     """The same schedule at another version, in the binary form (cheaper than encoding the
     plan again when the value is already binary)."""
     if is_json(raw):
-        return encode(_replace_version(decode(raw), version))
+        return encode(dataclasses.replace(decode(raw), version=version))
     return _pack(version) + raw[_split_binary(raw)[1] :]
-
-
-def _replace_version(plan: Plan, version: int) -> Plan:
-    return dataclasses.replace(plan, version=version)
 
 
 def stored_form(raw: bytes, form: Form = "binary") -> bytes:
