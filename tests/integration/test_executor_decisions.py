@@ -33,9 +33,16 @@ async def executor_with_clock(
     connection: AbstractRobustConnection,
     redis_prefix: str,
     skew_s: float,
+    *,
+    concurrency: int | None = None,
 ) -> tuple[Executor, Webhooks, AuditWriter]:
+    """An executor whose clock is ``skew_s`` off; ``concurrency``: its delivery slots and its
+    HTTP client's limit (else the default slots and 4 connections)."""
     settings = ExecutorSettings(redis_prefix=redis_prefix, shards=index.shards)
-    webhooks = Webhooks(HttpClient(4, netpolicy.AddressPolicy.from_text(netpolicy.LOOPBACK)))
+    if concurrency is not None:
+        settings = settings.model_copy(update={"concurrency": concurrency})
+    policy = netpolicy.AddressPolicy.from_text(netpolicy.LOOPBACK)
+    webhooks = Webhooks(HttpClient(concurrency or 4, policy))
     audit = AuditWriter(store, 10, 10_000)
     executor = Executor(
         settings,

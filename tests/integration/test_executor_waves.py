@@ -22,10 +22,8 @@ from aio_pika.abc import (
 from cronbus.cli.sink import Sink
 from services.executor import settle
 from services.executor.audit import AuditWriter
-from services.executor.events import Events
 from services.executor.executor import Executor
-from services.executor.http import HttpClient
-from services.executor.targets import AmqpTargets, Webhooks
+from services.executor.targets import Webhooks
 from shared.contract import codec, delivery, validation
 from shared.contract.delivery import Occurrence
 from shared.policy import netpolicy
@@ -33,7 +31,7 @@ from shared.postgres import bulk
 from shared.postgres.store import Store
 from shared.rabbitmq import amqp
 from shared.redis.index import Index
-from shared.runtime.config import ExecutorSettings
+from tests.integration.test_executor_decisions import executor_with_clock
 
 IDS = ("a", "b", "c")
 
@@ -111,17 +109,8 @@ class Harness:
 async def harness(
     index: Index, store: Store, connection: AbstractRobustConnection, redis_prefix: str
 ) -> AsyncIterator[Harness]:
-    settings = ExecutorSettings(redis_prefix=redis_prefix, shards=index.shards, concurrency=8)
-    webhooks = Webhooks(HttpClient(8, netpolicy.AddressPolicy.from_text(netpolicy.LOOPBACK)))
-    audit = AuditWriter(store, 10, 10_000)
-    executor = Executor(
-        settings,
-        index,
-        webhooks,
-        AmqpTargets(connection),
-        audit,
-        Events(connection, "none"),
-        asyncio.Event(),
+    executor, webhooks, audit = await executor_with_clock(
+        index, store, connection, redis_prefix, 0, concurrency=8
     )
     channel = await connection.channel()
     queue = await amqp.deliveries_queue_of(channel)
@@ -139,6 +128,22 @@ def received(sink: Sink, name: str) -> int:
     return sum(1 for r in sink.received if r.path == f"/{name}")
 
 
+async def handle_and_check_all_but_b(
+    harness: Harness, index: Index, sink: Sink, body: bytes
+) -> None:
+    """The message is handled with a bug hitting b: every delivery slot comes back, and the
+    others are delivered once and settled as if b were not there (cut off mid-delivery they
+    would go out again with the message's redelivery, which b's failure brings)."""
+    executor = harness.executor
+    await executor.handle(await harness.message(body))
+    await harness.slots_settle()
+    assert executor.fair_slots.free == executor.settings.concurrency, "a delivery slot leaked"
+    for occ in delivery.decode(body):
+        if occ.id != "b":
+            assert received(sink, occ.id) == 1
+            assert await completed(index, occ), f"{occ.id} delivered and never settled"
+
+
 async def test_a_bug_judging_one_occurrence_loses_no_slot_and_the_others_still_go(
     index: Index,
     store: Store,
@@ -147,7 +152,6 @@ async def test_a_bug_judging_one_occurrence_loses_no_slot_and_the_others_still_g
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     body = await claim_message(index, store, sink, IDS)
-    occurrences = delivery.decode(body)
     real = settle.missed_choice
 
     def buggy(occ: Occurrence, now_ms: int) -> int | None:
@@ -156,16 +160,7 @@ async def test_a_bug_judging_one_occurrence_loses_no_slot_and_the_others_still_g
         return real(occ, now_ms)
 
     monkeypatch.setattr(settle, "missed_choice", buggy)
-    executor = harness.executor
-    await executor.handle(await harness.message(body))
-    await harness.slots_settle()
-    assert executor.fair_slots.free == executor.settings.concurrency, "a delivery slot leaked"
-    # The others of the message are delivered and settled as if b were not there; the
-    # message goes back to the queue (b's failure), and its redelivery finds them settled.
-    for occ in occurrences:
-        if occ.id != "b":
-            assert received(sink, occ.id) == 1
-            assert await completed(index, occ), f"{occ.id} delivered and never settled"
+    await handle_and_check_all_but_b(harness, index, sink, body)
 
 
 async def test_a_bug_settling_one_occurrence_leaves_the_others_in_flight_to_settle(
@@ -176,7 +171,6 @@ async def test_a_bug_settling_one_occurrence_leaves_the_others_in_flight_to_sett
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     body = await claim_message(index, store, sink, IDS)
-    occurrences = delivery.decode(body)
     # b ends first, alone in its wave; a and c are still being delivered when it settles.
     sink.delay_for = lambda request: 0.0 if request.path == "/b" else 0.3
     real = settle.settle
@@ -187,15 +181,7 @@ async def test_a_bug_settling_one_occurrence_leaves_the_others_in_flight_to_sett
         return real(occ, *args, **kwargs)
 
     monkeypatch.setattr(settle, "settle", buggy)
-    executor = harness.executor
-    await executor.handle(await harness.message(body))
-    await harness.slots_settle()
-    assert executor.fair_slots.free == executor.settings.concurrency
-    for occ in occurrences:
-        if occ.id != "b":
-            assert received(sink, occ.id) == 1
-            # Cut off mid-delivery, it would be delivered again by the redelivery.
-            assert await completed(index, occ), f"{occ.id} delivered and never settled"
+    await handle_and_check_all_but_b(harness, index, sink, body)
 
 
 async def test_a_wave_whose_retries_cannot_be_written_keeps_what_its_completions_wrote(
