@@ -111,6 +111,9 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
     port = services.free_port()
     console = stack.start("console", CRONBUS_CONSOLE_PORT=str(port), CRONBUS_CONSOLE_ACTIONS="1")
     await stack.wait_ready(console)
+    # An interval without start_at sits on the epoch's grid: every_s 3600 would also fire on the
+    # next whole hour, which may fall inside the test and add executions it does not expect.
+    hourly = {"kind": "interval", "every_s": 3600, "start_at": _an_hour_from_now()}
     for schedule_id in ("nightly-report", "invoice-reminder", "invoice-archive"):
         reply = await client.send(
             "billing",
@@ -118,7 +121,7 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
             {
                 "schedule": {
                     "id": schedule_id,
-                    "spec": {"kind": "interval", "every_s": 3600},
+                    "spec": hourly,
                     "target": {"kind": "webhook", "url": f"{sink.url}/{schedule_id}"},
                     "labels": {"team": "billing"},
                 }
@@ -127,7 +130,7 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
         assert reply["ok"], reply
     flaky = {
         "id": "flaky",
-        "spec": {"kind": "interval", "every_s": 3600},
+        "spec": hourly,
         "target": {"kind": "webhook", "url": f"{sink.url}/flaky"},
         "retry": {"max_attempts": 3, "initial_backoff_s": 1, "full_jitter": False},
     }
@@ -268,6 +271,10 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
         for row in browser.find_elements(By.CSS_SELECTOR, "tbody tr")
     }
     assert states["invoice-archive"] == states["nightly-report"] == "paused"
+
+
+def _an_hour_from_now() -> str:
+    return timefmt.format_ms(int(time.time() * 1000) + 3_600_000)
 
 
 async def _eventually_async(
