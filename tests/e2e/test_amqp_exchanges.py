@@ -21,6 +21,7 @@ from shared.contract import codec, validation
 from shared.postgres import bulk
 from shared.postgres.store import Store
 from shared.redis.index import Index
+from tests.e2e.test_firing import an_hour_from_now
 from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
@@ -98,7 +99,10 @@ async def test_default_exchanges_keep_a_namespace_to_its_own_and_old_schedules_f
         assert (await client.send("evil", "get", {"id": "x"}))["error"]["code"] == "not_found"
 
         # The namespace's own exchange is accepted and delivered to.
-        reply = await client.send("evil", "upsert", {"schedule": amqp_schedule("own", "evil.jobs")})
+        own_schedule = amqp_schedule("own", "evil.jobs")
+        # On the epoch's grid a whole hour could put a regular fire before the trigger's.
+        own_schedule["spec"]["start_at"] = an_hour_from_now()
+        reply = await client.send("evil", "upsert", {"schedule": own_schedule})
         assert reply["ok"] is True, reply
         triggered = await client.send("evil", "trigger", {"id": "own"})
         assert triggered["ok"] is True, triggered

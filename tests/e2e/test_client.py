@@ -24,6 +24,7 @@ from cronbus import (
 )
 from cronbus.cli.sink import Sink
 from shared.contract import timefmt
+from tests.e2e.test_firing import an_hour_from_now
 from tests.support import services
 from tests.support.stack import Stack
 
@@ -46,7 +47,13 @@ async def test_every_method_returns_typed_replies(stack: Stack, sink: Sink, amqp
             "billing",
             {
                 "id": "invoice-42",
-                "spec": {"kind": "cron", "expr": "0 9 * * MON-FRI", "timezone": "Europe/Berlin"},
+                # From an hour on: at 09:00 in Berlin on a weekday it would fire during the test.
+                "spec": {
+                    "kind": "cron",
+                    "expr": "0 9 * * MON-FRI",
+                    "timezone": "Europe/Berlin",
+                    "start_at": an_hour_from_now(),
+                },
                 "target": {"kind": "webhook", "url": f"{sink.url}/remind"},
                 "labels": {"team": "billing"},
             },

@@ -11,7 +11,7 @@ import pytest
 
 from cronbus.cli.sink import Sink
 from shared.contract import timefmt
-from tests.e2e.test_firing import webhook
+from tests.e2e.test_firing import an_hour_from_now, webhook
 from tests.e2e.test_operations import metric_sum
 from tests.support.commands import CommandClient
 from tests.support.stack import Stack
@@ -71,7 +71,8 @@ async def test_a_trigger_is_not_held_back_by_the_window(
     await stack.start_all(("dispatcher", "executor"), CRONBUS_CLAIM_COALESCE_MS="1000")
     schedule = {
         "id": "t",
-        "spec": {"kind": "interval", "every_s": 3600},
+        # On the epoch's grid a whole hour during the test would be taken for a trigger.
+        "spec": {"kind": "interval", "every_s": 3600, "start_at": an_hour_from_now()},
         "target": webhook(sink, "/t"),
     }
     reply = await client.send("acme", "upsert", {"schedule": schedule})

@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 
 from cronbus.cli.sink import Received, Sink
+from tests.e2e.test_firing import an_hour_from_now
 from tests.support.commands import CommandClient
 from tests.support.stack import Stack
 
@@ -46,7 +47,12 @@ async def test_fires_lateness_attempts_and_audit_agree_with_the_rows(
                     {"id": "every-1s", "spec": {"kind": "interval", "every_s": 1}, "target": hook},
                     {
                         "id": "flaky",
-                        "spec": {"kind": "interval", "every_s": 3600},
+                        # On the epoch's grid a whole hour would add a row to the trigger's.
+                        "spec": {
+                            "kind": "interval",
+                            "every_s": 3600,
+                            "start_at": an_hour_from_now(),
+                        },
                         "target": {"kind": "webhook", "url": f"{sink.url}/flaky"},
                         "retry": {"max_attempts": 3, "initial_backoff_s": 1, "full_jitter": False},
                     },

@@ -101,10 +101,18 @@ async def test_rebuild_restores_every_live_schedule_from_its_checkpoint(
     # replay below is bounded by fire_all's limit of 1000 one-second occurrences.
     now = int(time.time() * 1000)
     start = timefmt.format_ms(NOW + 3_600_000)
+    anchor = timefmt.format_ms(now - 1_800_000)
     await load(
         store,
         index,
-        every("hourly", 3600, priority=5),
+        # Anchored half an hour back, not on the epoch's grid: a whole hour passing before
+        # the rebuild would make its next fire a catch-up, not the one stored.
+        every(
+            "hourly",
+            3600,
+            priority=5,
+            spec={"kind": "interval", "every_s": 3600, "start_at": anchor},
+        ),
         every("later", 60, spec={"kind": "interval", "every_s": 60, "start_at": start}),
         every("paused", 60, paused=True),
         every("replayed", 1, misfire={"policy": "fire_all", "window_s": 3600, "limit": 1000}),
