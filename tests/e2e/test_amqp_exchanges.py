@@ -21,8 +21,7 @@ from shared.contract import codec, validation
 from shared.postgres import bulk
 from shared.postgres.store import Store
 from shared.redis.index import Index
-from tests.e2e.test_firing import an_hour_from_now
-from tests.support.commands import CommandClient
+from tests.support.commands import CommandClient, an_hour_from_now
 from tests.support.stack import Stack
 
 SETTING = "CRONBUS_AMQP_ALLOWED_EXCHANGES"

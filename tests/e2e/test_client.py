@@ -24,8 +24,8 @@ from cronbus import (
 )
 from cronbus.cli.sink import Sink
 from shared.contract import timefmt
-from tests.e2e.test_firing import an_hour_from_now
 from tests.support import services
+from tests.support.commands import an_hour_from_now
 from tests.support.stack import Stack
 
 HOOK = {"kind": "webhook", "url": "http://127.0.0.1:9/hook"}

@@ -11,9 +11,9 @@ import pytest
 
 from cronbus.cli.sink import Sink
 from shared.contract import timefmt
-from tests.e2e.test_firing import an_hour_from_now, webhook
+from tests.e2e.test_firing import webhook
 from tests.e2e.test_operations import metric_sum
-from tests.support.commands import CommandClient
+from tests.support.commands import CommandClient, an_hour_from_now
 from tests.support.stack import Stack
 
 SCHEDULES = 20

@@ -16,9 +16,8 @@ import redis.asyncio as aioredis
 
 from cronbus.cli.sink import Sink
 from shared.contract import codec, keys
-from tests.e2e.test_firing import an_hour_from_now
 from tests.support import services
-from tests.support.commands import CommandClient
+from tests.support.commands import CommandClient, an_hour_from_now
 from tests.support.stack import Stack
 
 COMMANDS = (Path(__file__).resolve().parents[2] / "docs" / "commands.md").read_text()

@@ -25,7 +25,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from cronbus.cli.sink import Sink
 from shared.contract import timefmt
 from tests.support import services, tools
-from tests.support.commands import CommandClient
+from tests.support.commands import CommandClient, an_hour_from_now
 from tests.support.stack import Stack
 
 CHROMIUM = "/usr/bin/chromium"
@@ -113,7 +113,7 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
     await stack.wait_ready(console)
     # An interval without start_at sits on the epoch's grid: every_s 3600 would also fire on the
     # next whole hour, which may fall inside the test and add executions it does not expect.
-    hourly = {"kind": "interval", "every_s": 3600, "start_at": _an_hour_from_now()}
+    hourly = {"kind": "interval", "every_s": 3600, "start_at": an_hour_from_now()}
     for schedule_id in ("nightly-report", "invoice-reminder", "invoice-archive"):
         reply = await client.send(
             "billing",
@@ -271,10 +271,6 @@ async def test_find_pause_and_trigger_a_schedule_in_the_browser(
         for row in browser.find_elements(By.CSS_SELECTOR, "tbody tr")
     }
     assert states["invoice-archive"] == states["nightly-report"] == "paused"
-
-
-def _an_hour_from_now() -> str:
-    return timefmt.format_ms(int(time.time() * 1000) + 3_600_000)
 
 
 async def _eventually_async(

@@ -16,7 +16,7 @@ from cronbus.cli.sink import Sink
 from shared.contract import codec, keys, timefmt
 from shared.policy import tracing
 from shared.rules import schedule
-from tests.support.commands import CommandClient
+from tests.support.commands import CommandClient, an_hour_from_now
 from tests.support.stack import Stack
 
 
@@ -49,10 +49,6 @@ async def events_queue(amqp_url: str, routing_key: str) -> AsyncIterator[EventQu
         yield EventQueue(queue)
     finally:
         await connection.close()
-
-
-def an_hour_from_now() -> str:
-    return timefmt.format_ms(int(time.time() * 1000) + 3_600_000)
 
 
 def webhook(sink: Sink, path: str = "/hook", **extra: Any) -> dict[str, Any]:

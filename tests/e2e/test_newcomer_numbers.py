@@ -12,8 +12,7 @@ from typing import Any
 import asyncpg
 
 from cronbus.cli.sink import Received, Sink
-from tests.e2e.test_firing import an_hour_from_now
-from tests.support.commands import CommandClient
+from tests.support.commands import CommandClient, an_hour_from_now
 from tests.support.stack import Stack
 
 NS = "newcomer"

@@ -3,6 +3,7 @@ on a server-named queue, and ``publish`` to send a command without waiting (or a
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -10,7 +11,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
 
 from cronbus.client import Client
-from shared.contract import codec, keys
+from shared.contract import codec, keys, timefmt
 
 
 class CommandClient(Client):
@@ -53,3 +54,9 @@ class CommandClient(Client):
             routing_key=keys.command_routing_key(namespace, verb),
         )
         return correlation_id
+
+
+def an_hour_from_now() -> str:
+    """A ``start_at`` that keeps an hourly schedule out of a test: without one, an interval
+    sits on the epoch's grid, and a whole hour falling during the test would fire it."""
+    return timefmt.format_ms(int(time.time() * 1000) + 3_600_000)
