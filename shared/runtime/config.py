@@ -190,7 +190,7 @@ class DispatcherSettings(WebhookPolicySettings):
     shard_lease_s: float = Field(default=5, ge=0, le=300)
     #: Partitions of the command intake: commands on one schedule go to one partition, which
     #: one dispatcher at a time consumes, in order. Every dispatcher must use the same number;
-    #: see docs/scaling.md before changing it on a running install.
+    #: see docs/partitions.md before changing it on a running install.
     command_partitions: int = Field(default=8, ge=1, le=256)
     #: Unacknowledged commands the intake works on at once, per partition it consumes.
     commands_prefetch: int = Field(default=512, ge=1, le=10_000)
