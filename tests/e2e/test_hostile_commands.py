@@ -240,6 +240,28 @@ def unacknowledged(endpoints: services.Endpoints, amqp_url: str) -> dict[str, tu
     return found
 
 
+#: What a dispatcher logs when it lost a connection or waited for a dependency.
+OUTAGES = frozenset(
+    {
+        "dependency_down",
+        "dispatcher_wait",
+        "router_wait",
+        "wake_listener_wait",
+        "command_batch_split",
+        "connection_dropped",
+    }
+)
+
+
+def warnings_logged(log_text: str) -> list[dict[str, Any]]:
+    """The service's log records at warning level or above. Records are split on newlines
+    alone: a hostile value may be logged with U+2028 and the like, which splitlines() takes
+    for line ends; a record still being written (no newline yet) is left out."""
+    lines = log_text.split("\n")[:-1]
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    return [r for r in records if r.get("level") in ("warning", "error", "critical")]
+
+
 async def test_each_reported_stall_is_answered_with_the_field_and_nothing_is_stored(
     stack: Stack,
     replies: Replies,
@@ -285,9 +307,12 @@ async def test_each_reported_stall_is_answered_with_the_field_and_nothing_is_sto
     assert last["ok"] is True and last["schedule"]["next_fires"] == ["9999-12-31T12:00:00Z"]
     assert (await client.send("acme", "delete", {"id": "last"}))["ok"] is True
 
-    started = time.monotonic()
+    # Not stalled: a plain command after them is answered, and nothing along the way went
+    # wrong enough to be worth a warning (a lost channel, a dependency waited for, a batch
+    # split). Not a time bound: on a loaded CI machine a healthy answer took 1.2 s.
     fine = await client.send("acme", "upsert", upsert("fine"), timeout_s=5)
-    assert fine["ok"] is True and time.monotonic() - started < 1.0
+    assert fine["ok"] is True
+    assert warnings_logged(stack.running("dispatcher")[0].log.read_text()) == []
     assert await stored(database_url, endpoints, redis_prefix) == {
         "pg:acme/last",  # deleted: its row keeps the version
         "pg:acme/fine",
@@ -325,9 +350,12 @@ async def test_hostile_amqp_targets_are_refused_naming_the_field_and_the_intake_
         body["schedule"]["id"] = schedule_id
         reply = await client.send("acme", "upsert", body)
         assert reply["ok"] is True, (exchange, reply)
-    started = time.monotonic()
+    # Not stalled: a plain command after them is answered, and nothing along the way went
+    # wrong enough to be worth a warning (a lost channel, a dependency waited for, a batch
+    # split). Not a time bound: on a loaded CI machine a healthy answer took 1.2 s.
     fine = await client.send("acme", "upsert", upsert("fine"), timeout_s=5)
-    assert fine["ok"] is True and time.monotonic() - started < 1.0
+    assert fine["ok"] is True
+    assert warnings_logged(stack.running("dispatcher")[0].log.read_text()) == []
     found = {s for s in await stored(database_url, endpoints, redis_prefix) if s.startswith("pg:")}
     assert found == {"pg:acme/own", "pg:acme/child", "pg:acme/star", "pg:acme/fine"}
 
@@ -672,11 +700,15 @@ async def test_fuzz_thousands_of_hostile_commands_never_stall_the_intake(
     elapsed = time.monotonic() - started
     assert unanswered == set(), (len(unanswered), stack.tails())
 
-    # The next command is answered at once, and nothing refused was stored.
+    # The next command is answered, the dispatcher having neither lost a connection nor waited
+    # for a dependency, and nothing refused was stored. (Warnings about the hostile reply_to
+    # values themselves are expected here.)
     before = time.monotonic()
     fine = await client.send("fz", "upsert", upsert("after-the-fuzz"), timeout_s=5)
     answer_s = time.monotonic() - before
-    assert fine["ok"] is True and answer_s < 1.0
+    assert fine["ok"] is True
+    dispatcher_log = stack.running("dispatcher")[0].log.read_text()
+    assert [r for r in warnings_logged(dispatcher_log) if r.get("action") in OUTAGES] == []
     accepted = {
         f"pg:fz/{r['schedule']['id']}"
         for cid, r in replies.got.items()

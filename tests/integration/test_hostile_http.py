@@ -83,7 +83,9 @@ async def test_a_slow_drip_is_cut_by_the_timeout_of_the_whole_response(
     started = time.monotonic()
     with pytest.raises(TimeoutError):
         await client.request("POST", f"{hostile.url}/slow-drip", [], b"{}", 1)
-    assert 0.9 < time.monotonic() - started < 1.5
+    # The drip would take 5,000 s; a few seconds' slack keeps a loaded CI machine from
+    # failing what only the 1 s timeout of the whole response can explain.
+    assert 0.9 < time.monotonic() - started < 4.0
 
 
 @pytest.mark.parametrize("path", ["/endless-body", "/endless-chunks"])
