@@ -579,6 +579,36 @@ def test_settings_are_set_known_and_valid(overlay: str) -> None:
     assert errors == []
 
 
+#: Where the base ConfigMaps deliberately differ from the code's defaults, and why.
+DELIBERATE_OVERRIDES = {
+    "CRONBUS_MIGRATE_ON_START": "the Job cronbus-migrate applies migrations, not the services",
+}
+
+
+def env_file(path: Path) -> dict[str, str]:
+    pairs = (line.partition("=") for line in path.read_text().splitlines())
+    return {name: value for name, _, value in pairs if name.startswith("CRONBUS_")}
+
+
+@pytest.mark.parametrize("component", SERVICES)
+def test_the_base_config_maps_hold_the_code_s_defaults(component: str) -> None:
+    """A default changed in the code and not in the manifests would leave every Kubernetes
+    install on the old value without a word (CRONBUS_COMPLETE_FLUSH_MS stayed 5 there when
+    the default became 20)."""
+    cls = SETTINGS[component]
+    config = DEPLOY / "base" / "config"
+    env = env_file(config / "common.env") | env_file(config / f"{component}.env")
+    effective = effective_settings(cls, {k: v for k, v in env.items() if v != ""})
+    differ = [
+        f"{env_name(cls, field)}={getattr(effective, field)!r}, default {info.default!r}"
+        for field, info in cls.model_fields.items()
+        if env_name(cls, field) in env
+        and env_name(cls, field) not in DELIBERATE_OVERRIDES
+        and getattr(effective, field) != info.get_default(call_default_factory=True)
+    ]
+    assert differ == []
+
+
 def settings_errors(
     cls: type[CommonSettings], env: Mapping[str, str | None], workload: Obj
 ) -> list[str]:
