@@ -225,6 +225,7 @@ async def test_a_dispatcher_killed_mid_flow_loses_nothing_and_applies_nothing_tw
     schedules, each = 23, 30
     flow = asyncio.create_task(sender.upserts(schedules, each, pause_s=0.1))
     await until(lambda: len(sender.replies) > 150, 30, "commands answered")
+    assert not flow.done(), "the kill came after the flow, not during it"
     stack.kill(target, signal.SIGKILL)
     await flow
     await sender.answered(60)
