@@ -579,10 +579,9 @@ def test_settings_are_set_known_and_valid(overlay: str) -> None:
     assert errors == []
 
 
-#: Where the base ConfigMaps deliberately differ from the code's defaults, and why.
-DELIBERATE_OVERRIDES = {
-    "CRONBUS_MIGRATE_ON_START": "the Job cronbus-migrate applies migrations, not the services",
-}
+#: Where the base ConfigMaps deliberately differ from the code's defaults: the value they set
+#: (why: the Job cronbus-migrate applies migrations, not the services).
+DELIBERATE_OVERRIDES = {"CRONBUS_MIGRATE_ON_START": "false"}
 
 
 def env_file(path: Path) -> dict[str, str]:
@@ -598,7 +597,8 @@ def test_the_base_config_maps_hold_the_code_s_defaults(component: str) -> None:
     cls = SETTINGS[component]
     config = DEPLOY / "base" / "config"
     env = env_file(config / "common.env") | env_file(config / f"{component}.env")
-    effective = effective_settings(cls, {k: v for k, v in env.items() if v != ""})
+    # Empty values too: the services read CRONBUS_X= as an empty value, not as unset.
+    effective = effective_settings(cls, env)
     differ = [
         f"{env_name(cls, field)}={getattr(effective, field)!r}, default {info.default!r}"
         for field, info in cls.model_fields.items()
@@ -607,6 +607,8 @@ def test_the_base_config_maps_hold_the_code_s_defaults(component: str) -> None:
         and getattr(effective, field) != info.get_default(call_default_factory=True)
     ]
     assert differ == []
+    for name, value in DELIBERATE_OVERRIDES.items():
+        assert env.get(name, value) == value, f"{name}={env[name]}, deliberately {value}"
 
 
 def settings_errors(
