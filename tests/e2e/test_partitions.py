@@ -274,17 +274,18 @@ async def test_commands_waiting_from_before_the_partitions_are_answered_in_order
 
 class OldDispatcher:
     """What a dispatcher of a version before partitions does with ``cronbus.commands``: it
-    consumes the queue itself. This one receives commands and never gets to acknowledge them,
-    as one stopped or killed by the upgrade while they were in flight."""
+    consumes the queue itself. This one receives up to ``prefetch`` commands and never gets to
+    acknowledge them, as one stopped or killed by the upgrade while they were in flight."""
 
-    def __init__(self, amqp_url: str) -> None:
+    def __init__(self, amqp_url: str, prefetch: int) -> None:
         self.amqp_url = amqp_url
+        self.prefetch = prefetch
         self.held: list[AbstractIncomingMessage] = []
 
     async def start(self) -> None:
         self.connection = await aio_pika.connect(self.amqp_url)
         channel = await self.connection.channel()
-        await channel.set_qos(prefetch_count=1000)
+        await channel.set_qos(prefetch_count=self.prefetch)
         queue = await channel.get_queue(keys.COMMANDS_QUEUE, ensure=False)
         await queue.consume(self._hold)
 
@@ -293,24 +294,40 @@ class OldDispatcher:
 
     async def die(self) -> None:
         """Its connection closes: the broker takes back every command it held."""
-        await self.connection.close()
+        if not self.connection.is_closed:
+            await self.connection.close()
+
+
+async def consumers_of_the_entry_queue(channel: AbstractChannel) -> int:
+    queue = await channel.declare_queue(keys.COMMANDS_QUEUE, passive=True)
+    return queue.declaration_result.consumer_count or 0
+
+
+def answered_once_each(sender: Sender) -> None:
+    """No command was answered twice (none was delivered to an intake twice)."""
+    twice = {cid: got for cid, got in sender.replies.items() if len(got) > 1}
+    assert twice == {}, list(twice.items())[:3]
 
 
 async def test_commands_in_flight_in_an_old_dispatcher_are_answered_in_order_after_it(
     partitioned: dict[str, str], stack: Stack, sender: Sender, database_url: str, amqp_url: str
 ) -> None:
     """The upgrade with the dispatchers replaced at once (docs/partitions.md): the old one
-    holds every command, unacknowledged, when it stops; the new one routes them all, in the
-    order sent, none lost, each applied once."""
-    old = OldDispatcher(amqp_url)
-    await old.start()
-    schedules, each = 13, 10
-    await sender.upserts(schedules, each)
-    await until(lambda: len(old.held) == schedules * each, 15, "the old dispatcher holds all")
-    await old.die()
+    holds the first 40 commands, unacknowledged, when it stops, with 90 more waiting behind
+    them; the broker puts the 40 back at the head of the queue, and the new dispatcher routes
+    all 130 in the order sent, none lost, each applied once."""
+    old = OldDispatcher(amqp_url, prefetch=40)
+    try:
+        await old.start()
+        schedules, each = 13, 10
+        await sender.upserts(schedules, each)
+        await until(lambda: len(old.held) == 40, 15, "the old dispatcher holds 40 commands")
+    finally:
+        await old.die()
     await stack.start_all(("dispatcher",))
     await sender.answered(60)
     assert await sender.violations(schedules, each) == []
+    answered_once_each(sender)
     await applied_once(database_url, sender)
     assert await dead_letters(amqp_url) == 0
 
@@ -318,21 +335,31 @@ async def test_commands_in_flight_in_an_old_dispatcher_are_answered_in_order_aft
 async def test_an_old_dispatcher_stopped_during_a_rolling_update_loses_no_command(
     partitioned: dict[str, str], stack: Stack, sender: Sender, database_url: str, amqp_url: str
 ) -> None:
-    """A rolling update: an old dispatcher and a new one share ``cronbus.commands`` while
-    commands flow, then the old one stops with commands in flight. Every command is answered
-    and applied once (their order across the two is as weak as before partitions: the docs
-    say so, and this test does not judge it)."""
-    old = OldDispatcher(amqp_url)
-    await old.start()
-    await stack.start_all(("dispatcher",))
-    await spread(stack, 6)
-    schedules, each = 13, 10
-    await sender.upserts(schedules, each)
-    await until(lambda: old.held, 15, "the old dispatcher holds commands")
-    await until(lambda: sender.replies, 15, "the new dispatcher answers commands")
-    in_flight = len(old.held)
-    await old.die()
+    """A rolling update: a consumer of ``cronbus.commands`` standing for an old dispatcher and
+    a new dispatcher's router share the queue while commands flow, then the old one stops
+    with commands in flight. Every command is answered once and applied once (their order
+    across the two is as weak as before partitions: the docs say so, and this test does not
+    judge it)."""
+    old = OldDispatcher(amqp_url, prefetch=1000)
+    try:
+        await old.start()
+        await stack.start_all(("dispatcher",))
+        await spread(stack, 6)
+        channel = sender.channel
+
+        async def both_consume() -> bool:
+            return await consumers_of_the_entry_queue(channel) == 2
+
+        await until(both_consume, 15, "the old dispatcher and the router both consume")
+        schedules, each = 13, 10
+        await sender.upserts(schedules, each)
+        await until(lambda: old.held, 15, "the old dispatcher holds commands")
+        await until(lambda: sender.replies, 15, "the new dispatcher answers commands")
+        in_flight = len(old.held)
+    finally:
+        await old.die()
     await sender.answered(60)
+    answered_once_each(sender)
     await applied_once(database_url, sender)
     assert await dead_letters(amqp_url) == 0
     assert 0 < in_flight < schedules * each, in_flight
