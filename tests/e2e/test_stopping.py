@@ -146,14 +146,16 @@ def ready_pids(stderr: str) -> set[int]:
 
 
 def dev_argv() -> list[str]:
-    base = services.quiet_ports(4)
+    # Metrics of the three services and the console: base..base+3; then the console's pages.
+    # (The pages' port picked on its own once fell on base+3, and the console could not bind.)
+    base = services.quiet_ports(5)
     return [
         str(Path(sys.executable).parent / "cronbus"),
         "dev",
         "--port-base",
         str(base),
         "--console-port",
-        str(services.quiet_ports(1)),
+        str(base + 4),
         "--status-every",
         "1",
     ]

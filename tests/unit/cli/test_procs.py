@@ -116,6 +116,11 @@ def test_supervise_restarts_a_child_that_dies_and_passes_sigint_on_to_all(
         os.kill(os.getpid(), signal.SIGINT)
 
     def popen(args: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        if list(args) != [sys.executable, "-m", "services.executor"]:
+            # Not the supervisor's: another thread of this pytest worker (left by an earlier
+            # test) ran a program meanwhile. Taken for a child, it once made a fourth sleeper.
+            foreign: subprocess.Popen[bytes] = real_popen(args, **kwargs)  # type: ignore[call-overload]
+            return foreign
         ready = tmp_path / f"ready-{len(started)}"
         code = "import sys; sys.exit(3)" if not started else sleeper(ready)
         child = real_popen([sys.executable, "-c", code])
