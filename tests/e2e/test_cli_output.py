@@ -106,10 +106,14 @@ async def test_list_get_and_executions_print_tables_and_the_reply(
         "MS",
         "ERROR",
     ]
+    # A loaded machine may fire the every-second schedule past its grace: its skip policy then
+    # records the missed time as skipped, a row like any other.
     assert rows_printed and all(
-        columns_of(header, row, ["STATUS", "TRY", "HTTP"])[:2] == ["succeeded", "1"]
+        columns_of(header, row, ["STATUS", "TRY", "HTTP"])[:2]
+        in (["succeeded", "1"], ["skipped", "1"])
         for row in rows_printed
     ), executions.stdout
+    assert any("succeeded" in row for row in rows_printed), executions.stdout
     watcher = await asyncio.create_subprocess_exec(
         *[CLI, "executions", "every-second-with-a-long-id", "-n", "team", "--limit", "1"],
         *["--watch", "--interval", "0.5"],

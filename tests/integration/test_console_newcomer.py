@@ -4,6 +4,7 @@ column, and the words say what they mean."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
 from collections.abc import AsyncIterator
@@ -37,7 +38,12 @@ async def _seed(store: Store) -> None:
         )
     first = _execution("demo", "flaky", 40, "retrying", http_status=503, error="HTTP 503")
     first.failed_attempts = [failed_attempt(first)]
-    retried = _execution("demo", "flaky", 40, "succeeded", attempts=2, late_ms=1_200)
+    # The same occurrence (nominal time) as the first attempt, wherever the clock has moved.
+    retried = dataclasses.replace(
+        _execution("demo", "flaky", 40, "succeeded", attempts=2, late_ms=1_200),
+        nominal_ms=first.nominal_ms,
+        idempotency_key=first.idempotency_key,
+    )
     dead = _execution("other", "broken", 30, "dead", http_status=500, error="HTTP 500")
     dead.failed_attempts = [failed_attempt(dead)]
     await store.write_executions([first, retried, dead])
