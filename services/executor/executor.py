@@ -48,6 +48,10 @@ WAKE_HORIZON_MS = 1500
 BEGIN_FLUSH_MS = 5
 #: A bug met on the way, raised once the others of the message are settled.
 Failure = BaseException | None
+#: An occurrence whose delivery may start: the Redis clock (ms) when it was begun, and whether
+#: a copy began it before (or its misfire policy let it through already), so that it is
+#: delivered again rather than judged missed: that copy may have delivered it.
+Begun = tuple[int, bool]
 
 
 class Executor:
@@ -127,10 +131,16 @@ class Executor:
 
     async def _flush_begin(
         self, items: Sequence[tuple[int, tuple[str, int, int]]]
-    ) -> list[int | None]:
-        """Per item, the Redis clock (ms) when its lease is held, or None when it is stale."""
+    ) -> list[Begun | None]:
+        """Per item whose delivery starts, ``Begun`` when its lease is held, or None when it
+        is stale."""
         now, codes = await self.index.begin(tally.by_shard(items))
-        return [now if code else None for code in tally.in_order(items, codes)]
+        return [(now, code == 2) if code else None for code in tally.in_order(items, codes)]
+
+    async def _hold_leases(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[bool]:
+        """Per item waiting for a slot, whether its lease is held (False: it is stale)."""
+        _, codes = await self.index.begin(tally.by_shard(items), delivering=False)
+        return [bool(code) for code in tally.in_order(items, codes)]
 
     async def _flush_complete(self, items: Sequence[tuple[int, Completion]]) -> list[int]:
         codes = tally.in_order(items, await self.index.complete(tally.by_shard(items)))
@@ -303,16 +313,17 @@ class Executor:
                 lambda: self._begin.submit_many(items), what="begin", stopping=self.stopping
             )
             skipped: list[tuple[Occurrence, Settlement]] = []
-            for occ, now in zip(granted, results, strict=True):
+            for occ, fenced in zip(granted, results, strict=True):
                 unused -= 1
-                if now is None:
+                if fenced is None:
                     metrics.STALE.labels("begin").inc()
                     self.fair_slots.release()
                     continue
+                now, again = fenced
                 self._holding[(occ.shard, occ.member)] = occ.token
                 try:
                     key = occ.idempotency_key
-                    chosen = settle.missed_choice(occ, now)
+                    chosen = occ.nominal_ms if again else settle.missed_choice(occ, now)
                     if chosen != occ.nominal_ms:
                         skipped.append((occ, settle.skip(occ, key, chosen, now)))
                         tally.log_misfire(occ, chosen)
@@ -406,11 +417,11 @@ class Executor:
         stale (another copy took care of them) and are dropped."""
         items = [(occ.shard, (occ.member, occ.token, self.lease_ms)) for occ in occurrences]
         results = await transient.retry(
-            lambda: self._flush_begin(items), what="hold", stopping=self.stopping
+            lambda: self._hold_leases(items), what="hold", stopping=self.stopping
         )
         live = []
-        for occ, now in zip(occurrences, results, strict=True):
-            if now is None:
+        for occ, held in zip(occurrences, results, strict=True):
+            if not held:
                 metrics.STALE.labels("begin").inc()
             else:
                 self._waiting[(occ.shard, occ.member)] = occ.token
@@ -424,9 +435,9 @@ class Executor:
         for start in range(0, len(waiting), BATCH_ITEMS):
             chunk = waiting[start : start + BATCH_ITEMS]
             items = [(shard, (member, token, self.lease_ms)) for (shard, member), token in chunk]
-            results = await self._flush_begin(items)
-            for ((shard, member), token), now in zip(chunk, results, strict=True):
-                if now is None and self._waiting.get((shard, member)) == token:
+            results = await self._hold_leases(items)
+            for ((shard, member), token), held in zip(chunk, results, strict=True):
+                if not held and self._waiting.get((shard, member)) == token:
                     del self._waiting[(shard, member)]
 
     async def run_lease_keeper(self, stopping: asyncio.Event) -> None:
@@ -442,16 +453,16 @@ class Executor:
         its lease for the delivery and return the Redis clock (ms); None when it is stale.
         Calls from occurrences starting together go to Redis in one round trip."""
         hold_ms = occ.plan.target.timeout_ms + self.lease_ms
-        now = await transient.retry(
+        begun = await transient.retry(
             lambda: self._begin.submit((occ.shard, (occ.member, occ.token, hold_ms))),
             what="begin",
             stopping=self.stopping,
         )
-        if now is None:
+        if begun is None:
             metrics.STALE.labels("begin").inc()
-        else:
-            self._holding[(occ.shard, occ.member)] = occ.token
-        return now
+            return None
+        self._holding[(occ.shard, occ.member)] = occ.token
+        return begun[0]
 
     async def _park(self, occ: Occurrence, admission: limits.Admission) -> None:
         """Held by a rate key: parked behind it, same attempt, until its gate can let it

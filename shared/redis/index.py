@@ -172,15 +172,22 @@ class Index:
     # --- executor ---------------------------------------------------------------------------
 
     async def begin(
-        self, items: dict[int, list[tuple[str, int, int]]], now_ms: int | None = None
+        self,
+        items: dict[int, list[tuple[str, int, int]]],
+        now_ms: int | None = None,
+        *,
+        delivering: bool = True,
     ) -> tuple[int, dict[int, list[int]]]:
-        """Per shard, (member, token, hold_ms) -> 1 current (lease held) or 0 stale; with the
-        Redis clock (ms) at the call, for misfire decisions."""
+        """Per shard, (member, token, hold_ms) -> 1 current (lease held), 2 current and begun
+        before (deliver it, do not judge it again) or 0 stale; with the Redis clock (ms) at
+        the call, for misfire decisions. ``delivering=False`` only holds the leases (of
+        occurrences waiting for a slot): nothing is flagged as begun."""
+        flag = "1" if delivering else "0"
         calls = [
             (
                 "begin",
                 self._keys(s, "lease", "occ"),
-                [_opt(now_ms), *[v for item in batch for v in item]],
+                [_opt(now_ms), flag, *[v for item in batch for v in item]],
             )
             for s, batch in items.items()
         ]

@@ -8,6 +8,7 @@ import time
 
 import aio_pika
 import asyncpg
+import pytest
 from aio_pika.abc import AbstractRobustConnection
 
 from cronbus.cli.sink import Sink
@@ -17,6 +18,7 @@ from services.executor.executor import Executor
 from services.executor.http import HttpClient
 from services.executor.targets import AmqpTargets, Webhooks
 from shared.contract import codec, delivery, keys, validation
+from shared.contract.delivery import Occurrence
 from shared.contract.entries import Claimed
 from shared.policy import netpolicy
 from shared.postgres import bulk
@@ -185,3 +187,109 @@ async def test_an_amqp_delivery_refused_by_policy_takes_no_probe_of_its_rate_key
     # The refused one ended dead without going through the gate: the probe is still free.
     ((code, _, flags),) = await index.gate([(key, 0.0, 1, 10_000)], failures, 2000)
     assert (code, flags & 1) == (0, 1)
+
+
+MISFIRE_POLICIES = [
+    {"policy": "skip"},
+    {"policy": "fire_once"},
+    {"policy": "fire_all", "window_s": 30, "limit": 1},
+]
+
+
+async def began_then_died(
+    index: Index,
+    store: Store,
+    connection: AbstractRobustConnection,
+    sink: Sink,
+    redis_prefix: str,
+    misfire: dict[str, object],
+) -> tuple[bytes, Occurrence]:
+    """The delivery message of a one-fire schedule's occurrence whose executor began the
+    delivery (it may have gone out) and died before completing it; by the time it returns,
+    the occurrence and the next time of the rule are missed."""
+    body = await claim_one(
+        index,
+        store,
+        sink,
+        spec={"kind": "interval", "every_s": 1, "max_fires": 1},
+        misfire=misfire,
+    )
+    [occ] = delivery.decode(body)
+    first, hooks, _ = await executor_with_clock(index, store, connection, redis_prefix, skew_s=0)
+    try:
+        assert await first.begin(occ) is not None
+    finally:
+        await hooks.close()
+    # Past the grace of this occurrence and of the one after: judged now, every policy would
+    # drop it for another time.
+    await asyncio.sleep(2.3)
+    return body, occ
+
+
+async def deliver_message(
+    index: Index,
+    store: Store,
+    connection: AbstractRobustConnection,
+    redis_prefix: str,
+    body: bytes,
+) -> None:
+    executor, hooks, audit = await executor_with_clock(
+        index, store, connection, redis_prefix, skew_s=0
+    )
+    try:
+        live = await executor.hold(delivery.decode(body))
+        for occ in live:
+            await executor.process(occ)
+        await executor.drain()
+        assert await audit.flush()
+    finally:
+        await hooks.close()
+
+
+async def finished_with_one_fire(index: Index, store: Store, sink: Sink, occ: Occurrence) -> None:
+    """What a user checks of a one-fire schedule: one occurrence at the target (its key), and
+    nothing more to come."""
+    assert [r.key for r in sink.received] == [schedule.idempotency_key("ex", "s", occ.nominal_ms)]
+    due, lease, _ = await index.position(occ.shard, occ.member)
+    assert (due, lease) == (None, None), "the schedule goes on past max_fires"
+    [row] = await store.schedule_versions([("ex", "s")])
+    assert (row.state, row.fires) == ("completed", 1)
+
+
+@pytest.mark.parametrize("misfire", MISFIRE_POLICIES, ids=lambda m: str(m["policy"]))
+async def test_a_redelivered_message_delivers_again_what_a_dead_executor_began(
+    index: Index,
+    store: Store,
+    connection: AbstractRobustConnection,
+    sink: Sink,
+    redis_prefix: str,
+    misfire: dict[str, object],
+) -> None:
+    """The broker hands the message of an executor killed mid-delivery to another: judging
+    the occurrence missed would move on to a later time without counting the fire that may
+    have gone out (max_fires 1 would fire twice). It goes again instead, with the same key."""
+    body, occ = await began_then_died(index, store, connection, sink, redis_prefix, misfire)
+    await deliver_message(index, store, connection, redis_prefix, body)
+    await finished_with_one_fire(index, store, sink, occ)
+
+
+@pytest.mark.parametrize("misfire", MISFIRE_POLICIES, ids=lambda m: str(m["policy"]))
+async def test_a_reclaimed_lease_delivers_again_what_a_dead_executor_began(
+    index: Index,
+    store: Store,
+    connection: AbstractRobustConnection,
+    sink: Sink,
+    redis_prefix: str,
+    misfire: dict[str, object],
+) -> None:
+    """The same, when the lease runs out instead and the sweeper hands the occurrence out
+    again in a new message."""
+    _, occ = await began_then_died(index, store, connection, sink, redis_prefix, misfire)
+    far = int(time.time() * 1000) + 3_600_000
+    assert (await index.reclaim(range(index.shards), 10, now_ms=far))[occ.shard] == (1, 0)
+    claimed = [
+        c for r in await index.claim(range(index.shards), 10, 30_000, now_ms=far) for c in r.claimed
+    ]
+    assert [c.member for c in claimed] == [occ.member]
+    await deliver_message(index, store, connection, redis_prefix, delivery.encode(claimed))
+    await finished_with_one_fire(index, store, sink, occ)

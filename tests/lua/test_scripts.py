@@ -136,6 +136,26 @@ async def test_begin_holds_current_leases_and_reports_stale_tokens(index: Index)
     assert await index.client.zscore(index.keys.lease(0), "ns/a") == NOW + 5 + 90_000
 
 
+async def test_a_begun_delivery_is_flagged_so_whoever_takes_it_over_delivers_it_again(
+    index: Index,
+) -> None:
+    await add(index, 0, "ns/a", NOW - 1, next_occ=occ_state(NOW - 1, 1, "", 3))
+    [result] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
+    token = result.claimed[0].token
+    # Holding a lease while waiting for a slot begins nothing.
+    assert (await index.begin({0: [("ns/a", token, 9)]}, now_ms=NOW, delivering=False))[1] == {
+        0: [1]
+    }
+    assert (await index.begin({0: [("ns/a", token, 9)]}, now_ms=NOW))[1] == {0: [1]}
+    # A second copy of the message (the broker redelivered it) is told the delivery began.
+    assert (await index.begin({0: [("ns/a", token, 9)]}, now_ms=NOW + 1))[1] == {0: [2]}
+    # So is the copy the sweeper hands out once the lease runs out: a catch-up, not judged.
+    await index.reclaim([0], 10, now_ms=NOW + LEASE_MS + 60_000)
+    [again] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW + LEASE_MS + 60_001)
+    [item] = again.claimed
+    assert (item.nominal_ms, item.fires, item.catch_up) == (NOW - 1, 3, True)
+
+
 async def test_complete_reschedules_once_and_a_stale_token_changes_nothing(index: Index) -> None:
     await add(index, 3, "ns/c", NOW - 1)
     [result] = await index.claim([3], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
