@@ -2,7 +2,9 @@
 
 Rows wait in bounded memory; a flush writes them all in two statements. While PostgreSQL is
 away the rows stay (delivering goes on); when the buffer is full the executor stops taking
-new work instead of dropping rows.
+new work instead of dropping rows. Twice a second the writer tells PostgreSQL it is alive and
+which rebuild barrier it answered (``services.executor.barrier``); a barrier asked for is
+answered as soon as what it covers is written.
 """
 
 from __future__ import annotations
@@ -10,12 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 
 import asyncpg
 
+from services.executor.barrier import Barrier
 from shared.contract.rows import BackfillProgress, Checkpoint, ExecutionRow
+from shared.postgres import barrier
 from shared.postgres.store import Store
 from shared.runtime import metrics, transient
 
@@ -23,6 +30,9 @@ log = logging.getLogger(__name__)
 
 #: Most rows one statement writes.
 MAX_BATCH = 5000
+#: How often the writer tells PostgreSQL it is alive, and reads the latest barrier asked for
+#: (s); a rebuild takes a writer not heard of for ``barrier.AUDIT_WRITER_ALIVE_S`` for dead.
+BARRIER_HEARTBEAT_S = 0.5
 
 #: A flush that failed on these is kept and tried again: PostgreSQL away, or a deadlock with a
 #: command (rare: both lock schedules first, in key order) that rolled the whole flush back.
@@ -61,6 +71,10 @@ class AuditWriter:
         self._room = asyncio.Event()
         self._room.set()
         self._wake = asyncio.Event()
+        #: Rebuild barriers: which one this writer may answer.
+        self.barrier = Barrier()
+        self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._heard_at = -BARRIER_HEARTBEAT_S
 
     def add(self, row: ExecutionRow, checkpoint: Checkpoint | None, *, update: bool = True) -> None:
         """``update=False``: the caller adds more at once, and calls ``update`` after."""
@@ -138,12 +152,40 @@ class AuditWriter:
 
     async def run(self, stopping: asyncio.Event) -> None:
         delay = self.flush_s
+        flushed_at = time.monotonic()
         while not stopping.is_set():
+            # Woken for the heartbeat too, however long the flush interval is.
+            wait = min(delay - (time.monotonic() - flushed_at), BARRIER_HEARTBEAT_S)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+                await asyncio.wait_for(self._wake.wait(), max(wait, 0))
+            woken = self._wake.is_set()
             self._wake.clear()
-            ok = await self.flush()
-            delay = self.flush_s if ok else min(max(delay * 2, 0.5), 5.0)
+            if woken or self.barrier.asked or time.monotonic() - flushed_at >= delay:
+                # Noted before the flush: what it writes covers every settlement it counts.
+                answer = self.barrier.answerable()
+                ok = await self.flush() and await self.keep_barrier(answer)
+                flushed_at = time.monotonic()
+                delay = self.flush_s if ok else min(max(delay * 2, 0.5), 5.0)
+            else:
+                await self.keep_barrier(self.barrier.answered)
+
+    async def keep_barrier(self, answer: int) -> bool:
+        """Tell PostgreSQL this writer is alive and answered ``answer`` (written already),
+        and learn the latest barrier asked for; at most every ``BARRIER_HEARTBEAT_S`` unless
+        there is a new answer. False when PostgreSQL refused."""
+        now = time.monotonic()
+        if answer <= self.barrier.answered and now - self._heard_at < BARRIER_HEARTBEAT_S:
+            return True
+        try:
+            requested = await barrier.answer(self.store.pool, self.writer, answer)
+        except RETRIED:
+            return False
+        self._heard_at = now
+        self.barrier.answered = max(self.barrier.answered, answer)
+        self.barrier.learn(requested)
+        if self.barrier.asked:
+            self._wake.set()  # a rebuild waits: the buffer is written now, not at the interval
+        return True
 
     async def close(self, timeout_s: float) -> int:
         """Last flush on shutdown; returns the rows that could not be written."""
@@ -153,6 +195,9 @@ class AuditWriter:
                 break
             await asyncio.sleep(0.5)
         left = self.pending
+        with contextlib.suppress(*RETRIED, TimeoutError):
+            # No rebuild waits for a writer that stopped.
+            await asyncio.wait_for(barrier.forget(self.store.pool, self.writer), 1)
         if left:
             log.error(
                 "audit rows lost at shutdown: PostgreSQL unreachable",

@@ -29,6 +29,7 @@ from services.executor.fairslots import FairSlots
 from services.executor.parking import Parking
 from services.executor.settle import Outcome, Settlement
 from services.executor.targets import AmqpTargets, Webhooks
+from services.executor.waiting import BATCH_ITEMS, WaitingLeases
 from shared.contract import delivery
 from shared.contract.delivery import Occurrence
 from shared.contract.entries import Completion
@@ -41,7 +42,6 @@ from shared.runtime.spans import Spans
 
 log = logging.getLogger(__name__)
 
-BATCH_ITEMS = 2000
 #: Wake the dispatchers for occurrences due within this long (they sleep at most a second).
 WAKE_HORIZON_MS = 1500
 #: Longest wait of a begin or gate call for others to share its round trip (lateness).
@@ -54,7 +54,7 @@ Failure = BaseException | None
 Begun = tuple[int, bool]
 
 
-class Executor:
+class Executor(WaitingLeases):
     def __init__(
         self,
         settings: ExecutorSettings,
@@ -136,11 +136,6 @@ class Executor:
         is stale."""
         now, codes = await self.index.begin(tally.by_shard(items))
         return [(now, code == 2) if code else None for code in tally.in_order(items, codes)]
-
-    async def _hold_leases(self, items: Sequence[tuple[int, tuple[str, int, int]]]) -> list[bool]:
-        """Per item waiting for a slot, whether its lease is held (False: it is stale)."""
-        _, codes = await self.index.begin(tally.by_shard(items), delivering=False)
-        return [bool(code) for code in tally.in_order(items, codes)]
 
     async def _flush_complete(self, items: Sequence[tuple[int, Completion]]) -> list[int]:
         codes = tally.in_order(items, await self.index.complete(tally.by_shard(items)))
@@ -375,13 +370,6 @@ class Executor:
             await self.limits.report(occ, admission, outcome)
         return waves.Attempt(occ, key, now, outcome, started, finished, settled_now)
 
-    def _stop_waiting(self, occurrences: Sequence[Occurrence]) -> None:
-        """A message given up (handed back, or parked as a bug): its leases are no longer
-        kept alive here, so the sweeper or a redelivery takes its occurrences over."""
-        for occ in occurrences:
-            if self._waiting.get((occ.shard, occ.member)) == occ.token:
-                del self._waiting[(occ.shard, occ.member)]
-
     async def settle_dead_letter(self, message: AbstractIncomingMessage) -> None:
         """A delivery message the broker dead-lettered (redelivered past its limit: it kept
         crashing executors, or was parked as a bug): each occurrence still current ends
@@ -410,43 +398,6 @@ class Executor:
                 )
                 await self._settle_many([(occ, settle.poisoned(occ, key, reason, now))])
         await message.ack()
-
-    async def hold(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
-        """Fence a message's occurrences as it arrives, in one round trip: those whose token
-        is current have their lease held while they wait for a delivery slot; the others are
-        stale (another copy took care of them) and are dropped."""
-        items = [(occ.shard, (occ.member, occ.token, self.lease_ms)) for occ in occurrences]
-        results = await transient.retry(
-            lambda: self._hold_leases(items), what="hold", stopping=self.stopping
-        )
-        live = []
-        for occ, held in zip(occurrences, results, strict=True):
-            if not held:
-                metrics.STALE.labels("begin").inc()
-            else:
-                self._waiting[(occ.shard, occ.member)] = occ.token
-                live.append(occ)
-        return live
-
-    async def keep_waiting_leases(self) -> None:
-        """Extend the leases of occurrences still waiting for a slot (one round trip for
-        all); those found stale meanwhile are left to whichever copy is current."""
-        waiting = list(self._waiting.items())
-        for start in range(0, len(waiting), BATCH_ITEMS):
-            chunk = waiting[start : start + BATCH_ITEMS]
-            items = [(shard, (member, token, self.lease_ms)) for (shard, member), token in chunk]
-            results = await self._hold_leases(items)
-            for ((shard, member), token), held in zip(chunk, results, strict=True):
-                if not held and self._waiting.get((shard, member)) == token:
-                    del self._waiting[(shard, member)]
-
-    async def run_lease_keeper(self, stopping: asyncio.Event) -> None:
-        await transient.every(
-            max(self.lease_ms / 3000, 0.1),
-            self.keep_waiting_leases,
-            what="lease keeper",
-            stopping=stopping,
-        )
 
     async def begin(self, occ: Occurrence) -> int | None:
         """Fence one occurrence as its delivery starts: if its token is still current, hold
@@ -527,26 +478,32 @@ class Executor:
             for occ, s in settled
             if s.completion is None
         ]
-        results = await asyncio.gather(
-            self._submitted(self._complete, completions, "complete"),
-            self._submitted(self._retry, retries, "retry"),
-            return_exceptions=True,
-        )
-        codes = [iter(r) if isinstance(r, list) else None for r in results]
-        follow: list[Awaitable[None]] = []
-        for occ, settlement in settled:
-            found = codes[settlement.completion is None]
-            if found is None:
-                continue  # its round trip failed: raised below
-            code = next(found)
-            if code and settlement.completion is None:
-                metrics.RETRIES.inc()
-            self._settled(occ, settlement, code)
-            if self.events.wanted(settlement.event):
-                follow.append(self.events.publish(settlement.event, settlement.row))
-            if code and occ.plan.pause_after_failures is not None:
-                follow.append(self.autopause.record(occ, settlement.event))
-        self.audit.update()
+        # Until what Redis acknowledges is in the audit buffer, a rebuild's barrier waits
+        # for it (services.executor.barrier).
+        ticket = self.audit.barrier.settling()
+        try:
+            results = await asyncio.gather(
+                self._submitted(self._complete, completions, "complete"),
+                self._submitted(self._retry, retries, "retry"),
+                return_exceptions=True,
+            )
+            codes = [iter(r) if isinstance(r, list) else None for r in results]
+            follow: list[Awaitable[None]] = []
+            for occ, settlement in settled:
+                found = codes[settlement.completion is None]
+                if found is None:
+                    continue  # its round trip failed: raised below
+                code = next(found)
+                if code and settlement.completion is None:
+                    metrics.RETRIES.inc()
+                self._settled(occ, settlement, code)
+                if self.events.wanted(settlement.event):
+                    follow.append(self.events.publish(settlement.event, settlement.row))
+                if code and occ.plan.pause_after_failures is not None:
+                    follow.append(self.autopause.record(occ, settlement.event))
+            self.audit.update()
+        finally:
+            self.audit.barrier.settled(ticket)
         if follow and later is not None:
             later.append(asyncio.gather(*follow))
         elif follow:

@@ -24,6 +24,7 @@ from redis.asyncio.lock import Lock
 from services.sweeper import backfills, pending
 from shared.contract.entries import Upsert
 from shared.contract.rows import LiveSchedule
+from shared.postgres import barrier
 from shared.postgres.store import Store
 from shared.redis.index import Index
 from shared.rules import rotation
@@ -39,6 +40,8 @@ REBUILD_LOCK_S = 60
 REBUILD_LOCK_RENEW_S = 15.0
 #: A rebuild's witness keys outlive any rebuild; an interrupted one's go by themselves.
 REBUILD_WITNESS_TTL_S = 7 * 86_400
+#: How often a rebuild looks whether the executors answered its audit barrier (s).
+BARRIER_POLL_S = 0.05
 
 
 class IndexLostDuringRebuild(Exception):
@@ -256,6 +259,7 @@ class Rebuilding:
         written = 0
         token = uuid.uuid4().hex
         try:
+            await self._await_audit_barrier()
             servers = await self._redis_servers()
             await self._witness_rebuild(token)
             await self.start_positions()
@@ -291,6 +295,32 @@ class Rebuilding:
             },
         )
         return written
+
+    async def _await_audit_barrier(self) -> None:
+        """Before PostgreSQL is read: every live executor writes the completions Redis
+        acknowledged before it lost its data (``services.executor.barrier``), or the rebuild
+        would place their occurrences again and, where the misfire policy moves on, count one
+        fire too few. Waits at most ``CRONBUS_REBUILD_AUDIT_WAIT_S``."""
+        started = time.monotonic()
+        requested = await barrier.request(self.store.pool)
+        deadline = started + self.settings.rebuild_audit_wait_s
+        while True:
+            behind = await barrier.writers_behind(self.store.pool, requested)
+            if not behind:
+                metrics.REBUILD_AUDIT_WAIT.set(time.monotonic() - started)
+                return
+            if time.monotonic() >= deadline:
+                metrics.REBUILD_AUDIT_WAIT.set(time.monotonic() - started)
+                log.warning(
+                    "rebuild goes on without the audit writes of executors that did not answer",
+                    extra={
+                        "action": "audit_barrier_timeout",
+                        "executors": behind[:20],
+                        "waited_s": round(time.monotonic() - started, 3),
+                    },
+                )
+                return
+            await asyncio.sleep(BARRIER_POLL_S)
 
     async def _witness_rebuild(self, token: str) -> None:
         pipe = self.index.client.pipeline(transaction=False)

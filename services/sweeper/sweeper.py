@@ -19,7 +19,7 @@ from redis.asyncio.lock import Lock
 
 from services.sweeper import backfills, drift, pending, targets
 from services.sweeper.positions import PositionReplay
-from shared.postgres import db
+from shared.postgres import barrier, db
 from shared.postgres.store import Store
 from shared.redis.index import Index
 from shared.runtime import metrics, transient
@@ -145,6 +145,7 @@ class Sweeper(PositionReplay):
         day_ago = dt.datetime.fromtimestamp(self.clock(), dt.UTC) - dt.timedelta(days=1)
         await self.store.trim_minutes(day_ago)
         await self.store.trim_audit_flushes(day_ago)
+        await barrier.trim(self.store.pool, day_ago)
         if dropped:
             metrics.PARTITIONS_DROPPED.inc(len(dropped))
             log.info(

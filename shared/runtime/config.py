@@ -273,6 +273,9 @@ class SweeperSettings(CommonSettings):
     reclaim_batch: int = Field(default=1000, ge=1, le=100_000)
     #: Schedules written to Redis per pipeline during a rebuild.
     rebuild_batch: int = Field(default=2000, ge=1, le=100_000)
+    #: Longest wait of a rebuild for the live executors to write the completions Redis had
+    #: acknowledged before it lost its data (the audit barrier), before it reads PostgreSQL.
+    rebuild_audit_wait_s: float = Field(default=10, ge=0, le=300)
     #: How often schedules changed recently are compared between PostgreSQL and the index.
     drift_check_interval_s: float = Field(default=30, gt=0)
     #: Everything compared both ways within this long: a rolling pass, each drift check

@@ -192,6 +192,10 @@ REBUILD_DURATION = Gauge(
     "cronbus_rebuild_duration_seconds", "How long the last completed rebuild took."
 )
 REBUILD_RUNNING = Gauge("cronbus_rebuild_running", "1 while a rebuild is in progress.")
+REBUILD_AUDIT_WAIT = Gauge(
+    "cronbus_rebuild_audit_wait_seconds",
+    "How long the last rebuild waited for the executors' audit writes before reading PostgreSQL.",
+)
 STALE_INDEX = Counter(
     "cronbus_stale_index_total",
     "Indexes found behind PostgreSQL's generation (restored from an older snapshot) and rebuilt.",
@@ -289,6 +293,7 @@ OWNERS: dict[str, tuple[object, ...]] = {
         REBUILD_PROGRESS,
         REBUILD_DURATION,
         REBUILD_RUNNING,
+        REBUILD_AUDIT_WAIT,
         INDEX_EPOCH_PRESENT,
         STALE_INDEX,
         TOMBSTONES_TRIMMED,

@@ -37,6 +37,7 @@ async def executor_with_clock(
     skew_s: float,
     *,
     concurrency: int | None = None,
+    audit_flush_ms: int = 10,
 ) -> tuple[Executor, Webhooks, AuditWriter]:
     """An executor whose clock is ``skew_s`` off; ``concurrency``: its delivery slots and its
     HTTP client's limit (else the default slots and 4 connections)."""
@@ -45,7 +46,7 @@ async def executor_with_clock(
         settings = settings.model_copy(update={"concurrency": concurrency})
     policy = netpolicy.AddressPolicy.from_text(netpolicy.LOOPBACK)
     webhooks = Webhooks(HttpClient(concurrency or 4, policy))
-    audit = AuditWriter(store, 10, 10_000)
+    audit = AuditWriter(store, audit_flush_ms, 10_000)
     executor = Executor(
         settings,
         index,

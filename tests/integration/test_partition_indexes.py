@@ -91,7 +91,11 @@ async def test_an_upgrade_indexes_every_existing_partition_and_new_ones(
     await _at_version_7_with_rows(empty_database, monkeypatch)
     # Three services starting at once each run the migrator.
     results = await asyncio.gather(*(db.migrate(empty_database) for _ in range(3)))
-    assert sorted(results) == [[], [], ["0008_attempts_and_rates", "0009_index_positions"]]
+    assert sorted(results) == [
+        [],
+        [],
+        ["0008_attempts_and_rates", "0009_index_positions", "0010_audit_barrier"],
+    ]
     conn = await asyncpg.connect(empty_database)
     try:
         valid, covered = await _index_state(conn)

@@ -367,6 +367,28 @@ INSERT INTO audit_flushes (id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING true
 -- trim_audit_flushes --
 DELETE FROM audit_flushes WHERE at < $1;
 
+-- answer_audit_barrier --
+-- An executor is alive and has answered barrier $2; returns the latest barrier asked for.
+INSERT INTO audit_writers (writer, answered, seen_at) VALUES ($1, $2, now())
+ON CONFLICT (writer) DO UPDATE
+SET answered = GREATEST(audit_writers.answered, EXCLUDED.answered), seen_at = now()
+RETURNING (SELECT requested FROM audit_barrier);
+
+-- forget_audit_writer --
+DELETE FROM audit_writers WHERE writer = $1;
+
+-- request_audit_barrier --
+UPDATE audit_barrier SET requested = requested + 1 RETURNING requested;
+
+-- audit_writers_behind --
+-- The writers heard of within the last $2 seconds that have not answered barrier $1.
+SELECT writer FROM audit_writers
+WHERE answered < $1 AND seen_at > now() - make_interval(secs => $2::double precision)
+ORDER BY writer;
+
+-- trim_audit_writers --
+DELETE FROM audit_writers WHERE seen_at < $1;
+
 -- schedule_stats --
 -- The stats of the given schedules of a namespace (get and list).
 SELECT id, fires, succeeded, failed, dead, skipped, excluded, consecutive_failures,
