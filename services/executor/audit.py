@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import socket
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -31,7 +30,7 @@ log = logging.getLogger(__name__)
 #: Most rows one statement writes.
 MAX_BATCH = 5000
 #: How often the writer tells PostgreSQL it is alive, and reads the latest barrier asked for
-#: (s); a rebuild takes a writer not heard of for ``barrier.AUDIT_WRITER_ALIVE_S`` for dead.
+#: (s); ``shared.postgres.barrier`` says when a rebuild takes a writer for dead.
 BARRIER_HEARTBEAT_S = 0.5
 
 #: A flush that failed on these is kept and tried again: PostgreSQL away, or a deadlock with a
@@ -41,6 +40,10 @@ RETRIED: tuple[type[BaseException], ...] = (
     asyncpg.DeadlockDetectedError,
     asyncpg.SerializationError,
 )
+
+#: What leaves a heartbeat unheard (the rebuild then waits a few seconds for the writer at
+#: most): PostgreSQL away, refusing, or without the barrier's table (not migrated yet).
+UNHEARD: tuple[type[BaseException], ...] = (*RETRIED, asyncpg.PostgresError)
 
 
 @dataclass
@@ -74,7 +77,6 @@ class AuditWriter:
         #: Rebuild barriers: which one this writer may answer.
         self.barrier = Barrier()
         self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._heard_at = -BARRIER_HEARTBEAT_S
 
     def add(self, row: ExecutionRow, checkpoint: Checkpoint | None, *, update: bool = True) -> None:
         """``update=False``: the caller adds more at once, and calls ``update`` after."""
@@ -151,41 +153,56 @@ class AuditWriter:
         return True
 
     async def run(self, stopping: asyncio.Event) -> None:
-        delay = self.flush_s
-        flushed_at = time.monotonic()
-        while not stopping.is_set():
-            # Woken for the heartbeat too, however long the flush interval is.
-            wait = min(delay - (time.monotonic() - flushed_at), BARRIER_HEARTBEAT_S)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(wait, 0))
-            woken = self._wake.is_set()
-            self._wake.clear()
-            if woken or self.barrier.asked or time.monotonic() - flushed_at >= delay:
-                # Noted before the flush: what it writes covers every settlement it counts.
-                answer = self.barrier.answerable()
-                ok = await self.flush() and await self.keep_barrier(answer)
-                flushed_at = time.monotonic()
-                delay = self.flush_s if ok else min(max(delay * 2, 0.5), 5.0)
-            else:
-                await self.keep_barrier(self.barrier.answered)
+        heartbeat = asyncio.create_task(self._heartbeat(stopping), name="audit-heartbeat")
+        try:
+            await self._flush_loop(stopping)
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
 
-    async def keep_barrier(self, answer: int) -> bool:
+    async def _flush_loop(self, stopping: asyncio.Event) -> None:
+        delay = self.flush_s
+        while not stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+            self._wake.clear()
+            # Noted before the flush: what it writes covers every occurrence it counts.
+            answer = self.barrier.answerable()
+            ok = await self.flush()
+            if ok and answer > self.barrier.answered:
+                await self._tell(answer)
+            delay = self.flush_s if ok else min(max(delay * 2, 0.5), 5.0)
+
+    async def _heartbeat(self, stopping: asyncio.Event) -> None:
+        """Beside the flushes (a long one, or PostgreSQL away, must not make this writer look
+        dead to a rebuild): alive, and the latest barrier asked for."""
+        while not stopping.is_set():
+            await self._tell(self.barrier.answered)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), BARRIER_HEARTBEAT_S)
+        self._wake.set()  # the flushes stop too, however long their interval
+
+    def barrier_may_answer(self) -> None:
+        """Occurrences were settled: a barrier waiting for them is answered now."""
+        if self.barrier.asked and self.barrier.answerable() > self.barrier.answered:
+            self._wake.set()
+
+    async def _tell(self, answer: int) -> None:
         """Tell PostgreSQL this writer is alive and answered ``answer`` (written already),
-        and learn the latest barrier asked for; at most every ``BARRIER_HEARTBEAT_S`` unless
-        there is a new answer. False when PostgreSQL refused."""
-        now = time.monotonic()
-        if answer <= self.barrier.answered and now - self._heard_at < BARRIER_HEARTBEAT_S:
-            return True
+        and learn the latest barrier asked for. An error is not this writer's to stop for
+        (PostgreSQL away, or the migration that adds the table not applied yet): the
+        rebuild then waits for it a few seconds at most."""
         try:
             requested = await barrier.answer(self.store.pool, self.writer, answer)
-        except RETRIED:
-            return False
-        self._heard_at = now
+        except UNHEARD as exc:
+            log.debug("audit barrier not reached", extra={"error": repr(exc)})
+            return
         self.barrier.answered = max(self.barrier.answered, answer)
         self.barrier.learn(requested)
+        self.barrier_may_answer()
         if self.barrier.asked:
             self._wake.set()  # a rebuild waits: the buffer is written now, not at the interval
-        return True
 
     async def close(self, timeout_s: float) -> int:
         """Last flush on shutdown; returns the rows that could not be written."""
@@ -195,7 +212,7 @@ class AuditWriter:
                 break
             await asyncio.sleep(0.5)
         left = self.pending
-        with contextlib.suppress(*RETRIED, TimeoutError):
+        with contextlib.suppress(*UNHEARD, TimeoutError):
             # No rebuild waits for a writer that stopped.
             await asyncio.wait_for(barrier.forget(self.store.pool, self.writer), 1)
         if left:

@@ -24,6 +24,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from services.executor import limits, settle, tally, waves
 from services.executor.audit import AuditWriter
 from services.executor.autopause import AutoPause
+from services.executor.deadletters import DeadLetters
 from services.executor.events import Events
 from services.executor.fairslots import FairSlots
 from services.executor.parking import Parking
@@ -48,13 +49,13 @@ WAKE_HORIZON_MS = 1500
 BEGIN_FLUSH_MS = 5
 #: A bug met on the way, raised once the others of the message are settled.
 Failure = BaseException | None
-#: An occurrence whose delivery may start: the Redis clock (ms) when it was begun, and whether
-#: a copy began it before (or its misfire policy let it through already), so that it is
-#: delivered again rather than judged missed: that copy may have delivered it.
-Begun = tuple[int, bool]
+#: An occurrence begun: the Redis clock (ms) then, and begin.lua's code (``Index.begin``).
+Begun = tuple[int, int]
+#: begin.lua's code for an occurrence missed by now, not flagged as begun: judge it.
+MISSED = 3
 
 
-class Executor(WaitingLeases):
+class Executor(WaitingLeases, DeadLetters):
     def __init__(
         self,
         settings: ExecutorSettings,
@@ -130,12 +131,12 @@ class Executor(WaitingLeases):
     # --- batched Redis calls ------------------------------------------------------------------
 
     async def _flush_begin(
-        self, items: Sequence[tuple[int, tuple[str, int, int]]]
+        self, items: Sequence[tuple[int, tuple[str, int, int, int | None]]]
     ) -> list[Begun | None]:
         """Per item whose delivery starts, ``Begun`` when its lease is held, or None when it
         is stale."""
         now, codes = await self.index.begin(tally.by_shard(items))
-        return [(now, code == 2) if code else None for code in tally.in_order(items, codes)]
+        return [(now, code) if code else None for code in tally.in_order(items, codes)]
 
     async def _flush_complete(self, items: Sequence[tuple[int, Completion]]) -> list[int]:
         codes = tally.in_order(items, await self.index.complete(tally.by_shard(items)))
@@ -295,48 +296,91 @@ class Executor(WaitingLeases):
         decisions use the Redis clock this answers with); their attempts go into
         ``attempts``, each giving its slot back when it ends. A stale one gives its slot back
         at once, as does one the misfire policy skips (settled here) or one whose judging
-        failed (a bug: the first is returned, the others go on)."""
+        failed (a bug: the first is returned, the others go on). begin.lua flags what is on
+        time (or never judged) as begun; a missed one its policy still delivers is flagged by
+        a second round trip (``_start_late``)."""
         unused = len(granted)
         failure: BaseException | None = None
+        skipped: list[tuple[Occurrence, Settlement]] = []
+        late: list[tuple[Occurrence, int]] = []
+        begun = self.now_ms()
         try:
-            begun = self.now_ms()
             items = [
-                (occ.shard, (occ.member, occ.token, occ.plan.target.timeout_ms + self.lease_ms))
-                for occ in granted
+                (occ.shard, self._begin_item(occ, settle.misfire_cutoff(occ))) for occ in granted
             ]
             results = await transient.retry(
                 lambda: self._begin.submit_many(items), what="begin", stopping=self.stopping
             )
-            skipped: list[tuple[Occurrence, Settlement]] = []
             for occ, fenced in zip(granted, results, strict=True):
                 unused -= 1
                 if fenced is None:
                     metrics.STALE.labels("begin").inc()
                     self.fair_slots.release()
                     continue
-                now, again = fenced
-                self._holding[(occ.shard, occ.member)] = occ.token
+                now, code = fenced
+                self._hold(occ)
+                if code != MISSED:
+                    self._launch(occ, now, begun, attempts)
+                    continue
                 try:
-                    key = occ.idempotency_key
-                    chosen = occ.nominal_ms if again else settle.missed_choice(occ, now)
-                    if chosen != occ.nominal_ms:
-                        skipped.append((occ, settle.skip(occ, key, chosen, now)))
-                        tally.log_misfire(occ, chosen)
+                    chosen = settle.missed_choice(occ, now)
+                    if chosen == occ.nominal_ms:
+                        late.append((occ, now))
+                        continue
+                    skipped.append((occ, settle.skip(occ, occ.idempotency_key, chosen, now)))
+                    tally.log_misfire(occ, chosen)
                 except Exception as exc:  # noqa: BLE001 - returned, raised once all are settled
-                    self.fair_slots.release()
+                    self._let_go(occ)
                     failure = failure or exc
-                    continue
-                if chosen != occ.nominal_ms:
-                    self.fair_slots.release()
-                    continue
-                attempt = asyncio.ensure_future(self._attempt(occ, key, now, begun))
-                attempt.add_done_callback(lambda _: self.fair_slots.release())
-                attempts.add(attempt)
+                self.fair_slots.release()
         finally:
             for _ in range(unused):
                 self.fair_slots.release()
         await self._settle_many(skipped, later)
+        if late:
+            await self._start_late(late, attempts, begun)
         return failure
+
+    async def _start_late(
+        self, late: Sequence[tuple[Occurrence, int]], attempts: waves.Watched, begun: int
+    ) -> None:
+        """Missed occurrences their misfire policy delivers all the same (fire_once's or
+        fire_all's catch-up): flagged as begun, then delivered as judged."""
+        items = [(occ.shard, self._begin_item(occ, None)) for occ, _ in late]
+        try:
+            results = await transient.retry(
+                lambda: self._begin.submit_many(items), what="begin", stopping=self.stopping
+            )
+        except BaseException:
+            for occ, _ in late:
+                self._let_go(occ)
+                self.fair_slots.release()
+            raise
+        for (occ, now), fenced in zip(late, results, strict=True):
+            if fenced is None:
+                metrics.STALE.labels("begin").inc()
+                self._let_go(occ)
+                self.fair_slots.release()
+            else:
+                self._launch(occ, now, begun, attempts)
+
+    def _begin_item(self, occ: Occurrence, cutoff: int | None) -> tuple[str, int, int, int | None]:
+        return (occ.member, occ.token, occ.plan.target.timeout_ms + self.lease_ms, cutoff)
+
+    def _launch(self, occ: Occurrence, now: int, begun: int, attempts: waves.Watched) -> None:
+        attempt = asyncio.ensure_future(self._attempt(occ, occ.idempotency_key, now, begun))
+        attempt.add_done_callback(lambda _: self.fair_slots.release())
+        attempts.add(attempt)
+
+    def _hold(self, occ: Occurrence) -> None:
+        """Begun: held until settled; a rebuild's audit barrier waits for its settlement."""
+        self._holding[(occ.shard, occ.member)] = occ.token
+        self.audit.barrier.begin((occ.shard, occ.member))
+
+    def _let_go(self, occ: Occurrence) -> None:
+        """Settled (its row buffered), parked or handed back."""
+        self._holding.pop((occ.shard, occ.member), None)
+        self.audit.barrier.end((occ.shard, occ.member))
 
     async def _settle_ended(self, ended: Sequence[waves.Attempt], later: waves.Later) -> Failure:
         """Settle attempts that ended together; one whose settlement cannot be decided (a
@@ -370,56 +414,26 @@ class Executor(WaitingLeases):
             await self.limits.report(occ, admission, outcome)
         return waves.Attempt(occ, key, now, outcome, started, finished, settled_now)
 
-    async def settle_dead_letter(self, message: AbstractIncomingMessage) -> None:
-        """A delivery message the broker dead-lettered (redelivered past its limit: it kept
-        crashing executors, or was parked as a bug): each occurrence still current ends
-        ``dead`` with the reason, an event is published, and its rotation goes on."""
-        try:
-            occurrences = delivery.decode(message.body)
-        except (ValueError, KeyError, TypeError) as exc:
-            log.error(
-                "dead-lettered delivery message is not one: dropped",
-                extra={
-                    "action": "dead_letter_dropped",
-                    "error": repr(exc),
-                    "body": message.body[:1024].decode("utf-8", "replace"),
-                },
-            )
-            await message.ack()
-            return
-        reason = tally.poison_reason(message.headers or {})
-        for occ in occurrences:
-            now = await self.begin(occ)
-            if now is not None:
-                key = occ.idempotency_key
-                log.error(
-                    "poison delivery: occurrence ends dead",
-                    extra={"action": "poison", "schedule": occ.member, "reason": reason},
-                )
-                await self._settle_many([(occ, settle.poisoned(occ, key, reason, now))])
-        await message.ack()
-
     async def begin(self, occ: Occurrence) -> int | None:
         """Fence one occurrence as its delivery starts: if its token is still current, hold
         its lease for the delivery and return the Redis clock (ms); None when it is stale.
         Calls from occurrences starting together go to Redis in one round trip."""
-        hold_ms = occ.plan.target.timeout_ms + self.lease_ms
         begun = await transient.retry(
-            lambda: self._begin.submit((occ.shard, (occ.member, occ.token, hold_ms))),
+            lambda: self._begin.submit((occ.shard, self._begin_item(occ, None))),
             what="begin",
             stopping=self.stopping,
         )
         if begun is None:
             metrics.STALE.labels("begin").inc()
             return None
-        self._holding[(occ.shard, occ.member)] = occ.token
+        self._hold(occ)
         return begun[0]
 
     async def _park(self, occ: Occurrence, admission: limits.Admission) -> None:
         """Held by a rate key: parked behind it, same attempt, until its gate can let it
         through (``services.executor.parking``)."""
         code = await self.parking.park(occ, admission.held_by, admission.ms, admission.held_limit)
-        self._holding.pop((occ.shard, occ.member), None)
+        self._let_go(occ)
         if not code:
             metrics.STALE.labels("park").inc()
 
@@ -478,9 +492,6 @@ class Executor(WaitingLeases):
             for occ, s in settled
             if s.completion is None
         ]
-        # Until what Redis acknowledges is in the audit buffer, a rebuild's barrier waits
-        # for it (services.executor.barrier).
-        ticket = self.audit.barrier.settling()
         try:
             results = await asyncio.gather(
                 self._submitted(self._complete, completions, "complete"),
@@ -503,7 +514,11 @@ class Executor(WaitingLeases):
                     follow.append(self.autopause.record(occ, settlement.event))
             self.audit.update()
         finally:
-            self.audit.barrier.settled(ticket)
+            # What Redis acknowledged is in the audit buffer now, or never will be (the round
+            # trip failed): a rebuild's barrier no longer waits for these.
+            for occ, _ in settled:
+                self.audit.barrier.end((occ.shard, occ.member))
+            self.audit.barrier_may_answer()
         if follow and later is not None:
             later.append(asyncio.gather(*follow))
         elif follow:
@@ -531,7 +546,11 @@ class Executor(WaitingLeases):
         if settlement.event == "dead":
             metrics.DEAD.inc()
         tally.count_outcome(occ.namespace, settlement)
-        self.audit.add(settlement.row, settlement.checkpoint if code else None, update=False)
+        # A fire that Redis no longer knew of (Redis lost its data, a pause, a reset) still
+        # counts towards max_fires: PostgreSQL takes its checkpoint unless a later fire or a
+        # newer rotation is recorded there, and the rebuild's audit barrier waits for it.
+        counted = bool(code) or (settlement.sent and occ.plan.max_fires is not None)
+        self.audit.add(settlement.row, settlement.checkpoint if counted else None, update=False)
         if code and occ.is_backfill and settlement.completion is not None:
             self.audit.add_backfill(tally.backfill_progress(occ, settlement.completion, code))
         tally.log_settlement(occ, settlement)
@@ -552,6 +571,8 @@ class Executor(WaitingLeases):
             by_shard[shard].append((member, token))
         with contextlib.suppress(*transient.ERRORS):
             codes = await self.index.release(dict(by_shard))
+            for key in self._holding:
+                self.audit.barrier.end(key)
             self._holding.clear()
             released = sum(sum(c) for c in codes.values())
             log.info(

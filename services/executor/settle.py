@@ -15,6 +15,7 @@ from shared.contract.delivery import Occurrence
 from shared.contract.entries import Completion, resting_occ_state
 from shared.contract.rows import Checkpoint, ExecutionRow, failed_attempt
 from shared.rules import backfill, backoff, schedule
+from shared.rules.plan import AfterCompletionRule
 
 EventKind = Literal["succeeded", "failed", "dead", "skipped"]
 
@@ -46,6 +47,8 @@ class Settlement:
     #: The rotation checkpoint for PostgreSQL, written once Redis accepted the completion.
     checkpoint: Checkpoint | None
     event: EventKind
+    #: A delivery went out (a fire, whatever the target answered).
+    sent: bool = False
 
 
 def _rotate(
@@ -188,7 +191,7 @@ def settle(
     status: EventKind = "succeeded" if outcome.ok else "dead"
     row = row_of(occ, key, status, outcome, started_ms, finished_ms)
     row.excluded = excluded
-    return Settlement(completion, None, row, checkpoint, status)
+    return Settlement(completion, None, row, checkpoint, status, sent=outcome.sent)
 
 
 def missed_choice(occ: Occurrence, now_ms: int) -> int | None:
@@ -201,6 +204,18 @@ def missed_choice(occ: Occurrence, now_ms: int) -> int | None:
     if occ.is_trigger or occ.is_backfill or occ.attempt > 1 or occ.catch_up:
         return occ.nominal_ms
     return schedule.resolve_due(occ.plan, occ.nominal_ms, now_ms, occ.member)
+
+
+def misfire_cutoff(occ: Occurrence) -> int | None:
+    """The Redis time after which ``missed_choice`` would judge ``occ`` missed (its due time
+    plus the misfire grace); None when it is never judged (delivered however late). begin.lua
+    flags a delivery as begun only up to it."""
+    if occ.is_trigger or occ.is_backfill or occ.attempt > 1 or occ.catch_up:
+        return None
+    plan = occ.plan
+    if isinstance(plan.rule, AfterCompletionRule):
+        return None
+    return schedule.fire_at_ms(plan, occ.member, occ.nominal_ms) + plan.misfire.grace_ms
 
 
 def skip(occ: Occurrence, key: str, chosen: int | None, now_ms: int) -> Settlement:
@@ -218,7 +233,7 @@ def poisoned(occ: Occurrence, key: str, reason: str, now_ms: int) -> Settlement:
     return settle(
         occ,
         key,
-        Outcome(False, None, reason[:500]),
+        Outcome(False, None, reason[:500], sent=False),
         now_ms,
         now_ms,
         now_ms,

@@ -302,10 +302,10 @@ class Rebuilding:
         would place their occurrences again and, where the misfire policy moves on, count one
         fire too few. Waits at most ``CRONBUS_REBUILD_AUDIT_WAIT_S``."""
         started = time.monotonic()
-        requested = await barrier.request(self.store.pool)
+        asked = await barrier.request(self.store.pool)
         deadline = started + self.settings.rebuild_audit_wait_s
         while True:
-            behind = await barrier.writers_behind(self.store.pool, requested)
+            behind = await barrier.writers_behind(self.store.pool, asked)
             if not behind:
                 metrics.REBUILD_AUDIT_WAIT.set(time.monotonic() - started)
                 return

@@ -173,24 +173,25 @@ class Index:
 
     async def begin(
         self,
-        items: dict[int, list[tuple[str, int, int]]],
+        items: Mapping[int, Sequence[tuple[str, int, int] | tuple[str, int, int, int | None]]],
         now_ms: int | None = None,
         *,
         delivering: bool = True,
     ) -> tuple[int, dict[int, list[int]]]:
-        """Per shard, (member, token, hold_ms) -> 1 current (lease held), 2 current and begun
-        before (deliver it, do not judge it again) or 0 stale; with the Redis clock (ms) at
-        the call, for misfire decisions. ``delivering=False`` only holds the leases (of
-        occurrences waiting for a slot): nothing is flagged as begun."""
+        """Per shard, (member, token, hold_ms[, cutoff_ms]) -> 1 current (lease held), 2
+        current and begun before (deliver it, do not judge it again), 3 current but missed
+        (past its cutoff: judge it; it is not flagged as begun) or 0 stale; with the Redis
+        clock (ms) at the call, for misfire decisions. No cutoff (or None): never missed.
+        ``delivering=False`` only holds the leases (of occurrences waiting for a slot):
+        nothing is flagged as begun."""
         flag = "1" if delivering else "0"
-        calls = [
-            (
-                "begin",
-                self._keys(s, "lease", "occ"),
-                [_opt(now_ms), flag, *[v for item in batch for v in item]],
-            )
-            for s, batch in items.items()
-        ]
+        calls = []
+        for shard, batch in items.items():
+            args: list[Any] = [_opt(now_ms), flag]
+            for item in batch:
+                cutoff = item[3] if len(item) > 3 else None
+                args += [item[0], item[1], item[2], _opt(cutoff)]
+            calls.append(("begin", self._keys(shard, "lease", "occ"), args))
         replies = await self._pipeline(calls)
         now = max((int(r[0]) for r in replies), default=0)
         return now, {s: [int(c) for c in r[1:]] for s, r in zip(items, replies, strict=True)}

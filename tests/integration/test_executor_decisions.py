@@ -12,6 +12,7 @@ import pytest
 from aio_pika.abc import AbstractRobustConnection
 
 from cronbus.cli.sink import Sink
+from services.executor import settle
 from services.executor.audit import AuditWriter
 from services.executor.events import Events
 from services.executor.executor import Executor
@@ -294,3 +295,32 @@ async def test_a_reclaimed_lease_delivers_again_what_a_dead_executor_began(
     assert [c.member for c in claimed] == [occ.member]
     await deliver_message(index, store, connection, redis_prefix, delivery.encode(claimed))
     await finished_with_one_fire(index, store, sink, occ)
+
+
+async def test_an_occurrence_judged_skipped_by_a_dead_executor_is_judged_again_not_delivered(
+    index: Index,
+    store: Store,
+    connection: AbstractRobustConnection,
+    sink: Sink,
+    redis_prefix: str,
+) -> None:
+    """The first executor began a missed occurrence and judged it (skip: not delivered), then
+    died before its completion landed. Nothing went out, so the copy that takes it over
+    judges it again and skips it too: a late delivery would break skip's promise."""
+    body = await claim_one(
+        index,
+        store,
+        sink,
+        spec={"kind": "interval", "every_s": 1, "max_fires": 3},
+        misfire={"policy": "skip"},
+    )
+    [occ] = delivery.decode(body)
+    await asyncio.sleep(1.3)  # past the grace: missed
+    cutoff = settle.misfire_cutoff(occ)
+    assert cutoff is not None
+    _, codes = await index.begin({occ.shard: [(occ.member, occ.token, 30_000, cutoff)]})
+    assert codes == {occ.shard: [3]}  # judged missed, not flagged as begun
+    await deliver_message(index, store, connection, redis_prefix, body)
+    assert sink.received == []
+    due, _, state = await index.position(occ.shard, occ.member)
+    assert due is not None and state is not None and int(state.split("|")[0]) > occ.nominal_ms

@@ -156,6 +156,26 @@ async def test_a_begun_delivery_is_flagged_so_whoever_takes_it_over_delivers_it_
     assert (item.nominal_ms, item.fires, item.catch_up) == (NOW - 1, 3, True)
 
 
+async def test_a_missed_occurrence_is_not_flagged_until_its_policy_delivers_it(
+    index: Index,
+) -> None:
+    await add(index, 0, "ns/m", NOW - 1)
+    [result] = await index.claim([0], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
+    token = result.claimed[0].token
+    # Past its cutoff (due time plus grace): judged, not flagged.
+    assert (await index.begin({0: [("ns/m", token, 9, NOW)]}, now_ms=NOW + 1))[1] == {0: [3]}
+    assert (await index.begin({0: [("ns/m", token, 9, NOW)]}, now_ms=NOW + 2))[1] == {0: [3]}
+    # Its policy delivers it all the same (a catch-up): flagged by a call without a cutoff.
+    assert (await index.begin({0: [("ns/m", token, 9, None)]}, now_ms=NOW + 3))[1] == {0: [1]}
+    assert (await index.begin({0: [("ns/m", token, 9, NOW)]}, now_ms=NOW + 4))[1] == {0: [2]}
+    # On time (at its cutoff) it is flagged at once.
+    await add(index, 1, "ns/t", NOW - 1)
+    [other] = await index.claim([1], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
+    on_time = other.claimed[0].token
+    assert (await index.begin({1: [("ns/t", on_time, 9, NOW)]}, now_ms=NOW))[1] == {1: [1]}
+    assert (await index.begin({1: [("ns/t", on_time, 9, NOW)]}, now_ms=NOW + 9))[1] == {1: [2]}
+
+
 async def test_complete_reschedules_once_and_a_stale_token_changes_nothing(index: Index) -> None:
     await add(index, 3, "ns/c", NOW - 1)
     [result] = await index.claim([3], limit=10, lease_ms=LEASE_MS, now_ms=NOW)
