@@ -77,6 +77,7 @@ class AuditWriter:
         #: Rebuild barriers: which one this writer may answer.
         self.barrier = Barrier()
         self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._heartbeat_task: asyncio.Task[None] | None = None
 
     def add(self, row: ExecutionRow, checkpoint: Checkpoint | None, *, update: bool = True) -> None:
         """``update=False``: the caller adds more at once, and calls ``update`` after."""
@@ -153,13 +154,13 @@ class AuditWriter:
         return True
 
     async def run(self, stopping: asyncio.Event) -> None:
-        heartbeat = asyncio.create_task(self._heartbeat(stopping), name="audit-heartbeat")
-        try:
-            await self._flush_loop(stopping)
-        finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+        """Flush until ``stopping``; the heartbeat goes on until ``close``, so a rebuild keeps
+        waiting for this writer while it finishes its deliveries and writes their rows."""
+        if self._heartbeat_task is None:
+            self._heartbeat_task = asyncio.create_task(
+                self._heartbeat(stopping), name="audit-heartbeat"
+            )
+        await self._flush_loop(stopping)
 
     async def _flush_loop(self, stopping: asyncio.Event) -> None:
         delay = self.flush_s
@@ -177,11 +178,14 @@ class AuditWriter:
     async def _heartbeat(self, stopping: asyncio.Event) -> None:
         """Beside the flushes (a long one, or PostgreSQL away, must not make this writer look
         dead to a rebuild): alive, and the latest barrier asked for."""
-        while not stopping.is_set():
+        while True:
             await self._tell(self.barrier.answered)
+            if stopping.is_set():
+                self._wake.set()  # the flush loop stops, however long its interval
+                await asyncio.sleep(BARRIER_HEARTBEAT_S)
+                continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), BARRIER_HEARTBEAT_S)
-        self._wake.set()  # the flushes stop too, however long their interval
 
     def barrier_may_answer(self) -> None:
         """Occurrences were settled: a barrier waiting for them is answered now."""
@@ -212,6 +216,10 @@ class AuditWriter:
                 break
             await asyncio.sleep(0.5)
         left = self.pending
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
         with contextlib.suppress(*UNHEARD, TimeoutError):
             # No rebuild waits for a writer that stopped.
             await asyncio.wait_for(barrier.forget(self.store.pool, self.writer), 1)

@@ -10,7 +10,10 @@ answered it; an executor answers a request once every occurrence it had begun (i
 started) when it read the request is settled and written.
 
 An occurrence begun before the data loss was begun before the request was committed, hence
-before the executor read it: it holds a ticket below the first one taken after the read.
+before the executor read it: its ticket, taken before begin.lua was called, is below the
+first one taken after the read. Tickets are per copy of an occurrence (a broker may hand one
+process two copies of a message), and every message's are ended when it is done with, so a
+bug on the way cannot hold every later barrier back.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ class Barrier:
         """It is settled, its row and checkpoint in the audit buffer (or it was parked or
         handed back, or its settlement's round trip failed: nothing to write)."""
         self._open.pop(key, None)
+
+    def end_all(self) -> None:
+        """Every occurrence begun was handed back (shutdown)."""
+        self._open.clear()
 
     def learn(self, requested: int) -> None:
         """The request number just read from PostgreSQL."""

@@ -4,23 +4,19 @@ go on (a part of ``Executor``)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.executor import settle, tally
-from services.executor.settle import Settlement
+from services.executor.settling import Settling
 from shared.contract import delivery
 from shared.contract.delivery import Occurrence
 
 log = logging.getLogger("services.executor.executor")
 
 
-class DeadLetters:
+class DeadLetters(Settling):
     async def begin(self, occ: Occurrence) -> int | None:
-        raise NotImplementedError
-
-    async def _settle_many(self, settled: Sequence[tuple[Occurrence, Settlement]]) -> None:
         raise NotImplementedError
 
     async def settle_dead_letter(self, message: AbstractIncomingMessage) -> None:

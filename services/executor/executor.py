@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -262,14 +262,29 @@ class Executor(WaitingLeases, DeadLetters):
                 if isinstance(result, BaseException):
                     failure = failure or result
         finally:
-            for claim in waiting:
-                self.fair_slots.withdraw(claims[claim].namespace, claim)
-            for attempt in attempts:
-                attempt.cancel()
-            for pending in later:
-                pending.cancel()
+            self._done_with(granted, claims, waiting, attempts, later)
         if failure is not None:
             raise failure
+
+    def _done_with(
+        self,
+        granted: Sequence[Occurrence],
+        claims: dict[asyncio.Future[None], Occurrence],
+        waiting: set[asyncio.Future[None]],
+        attempts: waves.Watched,
+        later: waves.Later,
+    ) -> None:
+        """A message's waves are over, or cut off: what they still hold is given back."""
+        # Whatever became of them (settled, or a bug on the way), a rebuild's audit barrier
+        # no longer waits for this message's occurrences.
+        for occ in (*granted, *claims.values()):
+            self.audit.barrier.end(id(occ))
+        for claim in waiting:
+            self.fair_slots.withdraw(claims[claim].namespace, claim)
+        for attempt in attempts:
+            attempt.cancel()
+        for pending in later:
+            pending.cancel()
 
     def _granted(
         self,
@@ -305,6 +320,9 @@ class Executor(WaitingLeases, DeadLetters):
         late: list[tuple[Occurrence, int]] = []
         begun = self.now_ms()
         try:
+            # Before begin.lua flags them: a barrier read meanwhile must wait for them.
+            for occ in granted:
+                self.audit.barrier.begin(id(occ))
             items = [
                 (occ.shard, self._begin_item(occ, settle.misfire_cutoff(occ))) for occ in granted
             ]
@@ -315,6 +333,7 @@ class Executor(WaitingLeases, DeadLetters):
                 unused -= 1
                 if fenced is None:
                     metrics.STALE.labels("begin").inc()
+                    self._let_go(occ)
                     self.fair_slots.release()
                     continue
                 now, code = fenced
@@ -336,9 +355,11 @@ class Executor(WaitingLeases, DeadLetters):
         finally:
             for _ in range(unused):
                 self.fair_slots.release()
-        await self._settle_many(skipped, later)
-        if late:
-            await self._start_late(late, attempts, begun)
+        try:
+            await self._settle_many(skipped, later)
+        finally:
+            if late:
+                await self._start_late(late, attempts, begun)
         return failure
 
     async def _start_late(
@@ -373,14 +394,14 @@ class Executor(WaitingLeases, DeadLetters):
         attempts.add(attempt)
 
     def _hold(self, occ: Occurrence) -> None:
-        """Begun: held until settled; a rebuild's audit barrier waits for its settlement."""
+        """Begun: held until settled (a rebuild's audit barrier waits for it meanwhile: its
+        ticket was taken before begin.lua ran)."""
         self._holding[(occ.shard, occ.member)] = occ.token
-        self.audit.barrier.begin((occ.shard, occ.member))
 
     def _let_go(self, occ: Occurrence) -> None:
-        """Settled (its row buffered), parked or handed back."""
+        """Settled (its row buffered), parked, handed back, or never begun (stale)."""
         self._holding.pop((occ.shard, occ.member), None)
-        self.audit.barrier.end((occ.shard, occ.member))
+        self.audit.barrier.end(id(occ))
 
     async def _settle_ended(self, ended: Sequence[waves.Attempt], later: waves.Later) -> Failure:
         """Settle attempts that ended together; one whose settlement cannot be decided (a
@@ -418,13 +439,19 @@ class Executor(WaitingLeases, DeadLetters):
         """Fence one occurrence as its delivery starts: if its token is still current, hold
         its lease for the delivery and return the Redis clock (ms); None when it is stale.
         Calls from occurrences starting together go to Redis in one round trip."""
-        begun = await transient.retry(
-            lambda: self._begin.submit((occ.shard, self._begin_item(occ, None))),
-            what="begin",
-            stopping=self.stopping,
-        )
+        self.audit.barrier.begin(id(occ))
+        try:
+            begun = await transient.retry(
+                lambda: self._begin.submit((occ.shard, self._begin_item(occ, None))),
+                what="begin",
+                stopping=self.stopping,
+            )
+        except BaseException:
+            self._let_go(occ)
+            raise
         if begun is None:
             metrics.STALE.labels("begin").inc()
+            self._let_go(occ)
             return None
         self._hold(occ)
         return begun[0]
@@ -478,83 +505,6 @@ class Executor(WaitingLeases, DeadLetters):
             metrics.BACKFILL_DELIVERED.labels(attempt_result).inc()
         return outcome, started, finished
 
-    async def _settle_many(
-        self, settled: Sequence[tuple[Occurrence, Settlement]], later: waves.Later | None = None
-    ) -> None:
-        """Their completions in one submission, their retries in another, both at once: what
-        one wrote is recorded (row, checkpoint) even when the other fails (a shutdown in an
-        outage), the failure raised after. What follows is waited for, or left in ``later``."""
-        if not settled:
-            return
-        completions = [(occ.shard, s.completion) for occ, s in settled if s.completion is not None]
-        retries = [
-            (occ.shard, (occ.member, occ.token, s.retry_delay_ms or 0))
-            for occ, s in settled
-            if s.completion is None
-        ]
-        try:
-            results = await asyncio.gather(
-                self._submitted(self._complete, completions, "complete"),
-                self._submitted(self._retry, retries, "retry"),
-                return_exceptions=True,
-            )
-            codes = [iter(r) if isinstance(r, list) else None for r in results]
-            follow: list[Awaitable[None]] = []
-            for occ, settlement in settled:
-                found = codes[settlement.completion is None]
-                if found is None:
-                    continue  # its round trip failed: raised below
-                code = next(found)
-                if code and settlement.completion is None:
-                    metrics.RETRIES.inc()
-                self._settled(occ, settlement, code)
-                if self.events.wanted(settlement.event):
-                    follow.append(self.events.publish(settlement.event, settlement.row))
-                if code and occ.plan.pause_after_failures is not None:
-                    follow.append(self.autopause.record(occ, settlement.event))
-            self.audit.update()
-        finally:
-            # What Redis acknowledged is in the audit buffer now, or never will be (the round
-            # trip failed): a rebuild's barrier no longer waits for these.
-            for occ, _ in settled:
-                self.audit.barrier.end((occ.shard, occ.member))
-            self.audit.barrier_may_answer()
-        if follow and later is not None:
-            later.append(asyncio.gather(*follow))
-        elif follow:
-            await asyncio.gather(*follow)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-
-    async def _submitted(
-        self, batcher: Batcher[Any, int], items: list[Any], what: str
-    ) -> list[int]:
-        if not items:
-            return []
-        return await transient.retry(
-            lambda: batcher.submit_many(items), what=what, stopping=self.stopping
-        )
-
-    def _settled(self, occ: Occurrence, settlement: Settlement, code: int) -> None:
-        """What follows a settlement in Redis: counted, audited and logged (the audit
-        buffer's limit is checked by the caller, once for many)."""
-        self._holding.pop((occ.shard, occ.member), None)
-        if not code:
-            # Reclaimed or revoked while we delivered: another message carries it now.
-            metrics.STALE.labels("complete").inc()
-        if settlement.event == "dead":
-            metrics.DEAD.inc()
-        tally.count_outcome(occ.namespace, settlement)
-        # A fire that Redis no longer knew of (Redis lost its data, a pause, a reset) still
-        # counts towards max_fires: PostgreSQL takes its checkpoint unless a later fire or a
-        # newer rotation is recorded there, and the rebuild's audit barrier waits for it.
-        counted = bool(code) or (settlement.sent and occ.plan.max_fires is not None)
-        self.audit.add(settlement.row, settlement.checkpoint if counted else None, update=False)
-        if code and occ.is_backfill and settlement.completion is not None:
-            self.audit.add_backfill(tally.backfill_progress(occ, settlement.completion, code))
-        tally.log_settlement(occ, settlement)
-
     def holding(self) -> int:
         """Occurrences begun (leased) and not settled: left to their leases if not released."""
         return len(self._holding)
@@ -571,8 +521,7 @@ class Executor(WaitingLeases, DeadLetters):
             by_shard[shard].append((member, token))
         with contextlib.suppress(*transient.ERRORS):
             codes = await self.index.release(dict(by_shard))
-            for key in self._holding:
-                self.audit.barrier.end(key)
+            self.audit.barrier.end_all()
             self._holding.clear()
             released = sum(sum(c) for c in codes.values())
             log.info(

@@ -4,6 +4,7 @@ on the Redis clock, and poison delivery messages settled as dead."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import aio_pika
@@ -324,3 +325,45 @@ async def test_an_occurrence_judged_skipped_by_a_dead_executor_is_judged_again_n
     assert sink.received == []
     due, _, state = await index.position(occ.shard, occ.member)
     assert due is not None and state is not None and int(state.split("|")[0]) > occ.nominal_ms
+
+
+@pytest.mark.parametrize("misfire", MISFIRE_POLICIES[1:], ids=lambda m: str(m["policy"]))
+async def test_a_missed_occurrence_its_policy_delivers_is_delivered_again_after_a_takeover(
+    index: Index,
+    store: Store,
+    connection: AbstractRobustConnection,
+    sink: Sink,
+    redis_prefix: str,
+    misfire: dict[str, object],
+) -> None:
+    """Missed when begun, but its policy (fire_once, fire_all) delivers it all the same: it
+    is flagged as begun before it goes, so when its executor dies mid-delivery the copy that
+    takes over delivers it again (same key) rather than judging it anew and catching up a
+    later time as well (two fires of a one-fire schedule)."""
+    sink.delay_s = 2.0
+    body = await claim_one(
+        index,
+        store,
+        sink,
+        spec={"kind": "interval", "every_s": 1, "max_fires": 1},
+        misfire=misfire,
+    )
+    [occ] = delivery.decode(body)
+    await asyncio.sleep(1.3)  # this occurrence is missed, the next one not yet
+    first, hooks, _ = await executor_with_clock(index, store, connection, redis_prefix, skew_s=0)
+    try:
+        [live] = await first.hold([occ])
+        delivering = asyncio.create_task(first.process(live))
+        assert await sink.wait_for(lambda found: bool(found.received), 5), "nothing went out"
+        delivering.cancel()  # the executor dies mid-delivery
+        with contextlib.suppress(asyncio.CancelledError):
+            await delivering
+    finally:
+        await hooks.close()
+    await asyncio.sleep(1.2)  # the next time is missed too by now
+    sink.delay_s = 0.0
+    await deliver_message(index, store, connection, redis_prefix, body)
+    key = schedule.idempotency_key("ex", "s", occ.nominal_ms)
+    assert {r.key for r in sink.received} == {key}
+    due, lease, _ = await index.position(occ.shard, occ.member)
+    assert (due, lease) == (None, None), "the schedule goes on past max_fires"

@@ -81,6 +81,7 @@ async def test_a_rebuild_waits_for_a_finished_schedule_s_checkpoint_still_in_a_b
         stopping.set()
         with contextlib.suppress(Exception):
             await writer
+        await audit.close(timeout_s=1)
         await hooks.close()
 
 
@@ -125,6 +126,7 @@ async def test_a_rebuild_waits_for_a_delivery_under_way_when_redis_lost_its_data
         stopping.set()
         with contextlib.suppress(Exception):
             await writer
+        await audit.close(timeout_s=1)
         await hooks.close()
 
 
