@@ -37,11 +37,12 @@ async def test_a_full_vhost_is_not_taken_for_a_refusal(
     with pytest.raises(Exception) as raised:
         connection = await amqp.connect(amqp_url, "cronbus-review")
         await connection.close()
-    found = raised.value
-    # aio-pika leaves the connection it could not open to be closed when it is collected:
-    # collected here, on this test's event loop, rather than in whichever test comes next
-    # (where its close would never run, and a warning would fail that test).
+    refusal, described = transient.refusal(raised.value), repr(raised.value)
+    # aio-pika leaves the connection it could not open to be closed when it is collected
+    # (the exception's frames hold it): collected here, on this test's event loop, rather
+    # than in whichever test comes next, where its close would never run and the warning
+    # would fail that test.
     del raised
     gc.collect()
     await asyncio.sleep(0.1)
-    assert transient.refusal(found) is None, repr(found)
+    assert refusal is None, described
