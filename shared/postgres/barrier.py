@@ -4,27 +4,17 @@ for one and waits until every live executor answered it."""
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
 
 import asyncpg
 
 from shared.postgres.sql import QUERIES
 
-#: A rebuild waits for an executor's audit writer that has not answered its barrier if it was
-#: heard of within ``AUDIT_WRITER_RECENT_S`` before the barrier was asked for, until it has
-#: been silent for ``AUDIT_WRITER_ALIVE_S`` (it heartbeats every half second, beside its
-#: flushes): a dead one's unwritten rows are lost with it, and one PostgreSQL could not hear
-#: from for a while (an outage) is given those seconds to come back with what it holds.
-AUDIT_WRITER_RECENT_S = 60.0
+#: A rebuild waits for an executor's audit writer that has not answered its barrier while it
+#: was heard of within this long (s): it heartbeats every half second, beside its flushes and
+#: until its last rows are written at shutdown. One silent longer is taken for dead (its
+#: unwritten rows are lost with it), or cut off from PostgreSQL (a double fault: the rows it
+#: holds are written later, and the rebuild does not wait for them).
 AUDIT_WRITER_ALIVE_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """A barrier asked for: its number, and when (PostgreSQL's clock)."""
-
-    number: int
-    at: dt.datetime
 
 
 async def answer(pool: asyncpg.Pool, writer: str, answered: int) -> int:
@@ -38,22 +28,14 @@ async def forget(pool: asyncpg.Pool, writer: str) -> None:
     await pool.execute(QUERIES["forget_audit_writer"], writer)
 
 
-async def request(pool: asyncpg.Pool) -> Request:
+async def request(pool: asyncpg.Pool) -> int:
     """A new barrier, for a rebuild about to read the checkpoints."""
-    record = await pool.fetchrow(QUERIES["request_audit_barrier"])
-    assert record is not None
-    return Request(int(record["requested"]), record["at"])
+    return int(await pool.fetchval(QUERIES["request_audit_barrier"]))
 
 
-async def writers_behind(pool: asyncpg.Pool, asked: Request) -> list[str]:
+async def writers_behind(pool: asyncpg.Pool, asked: int) -> list[str]:
     """The executors taken for alive that have not answered barrier ``asked``."""
-    records = await pool.fetch(
-        QUERIES["audit_writers_behind"],
-        asked.number,
-        asked.at,
-        AUDIT_WRITER_RECENT_S,
-        AUDIT_WRITER_ALIVE_S,
-    )
+    records = await pool.fetch(QUERIES["audit_writers_behind"], asked, AUDIT_WRITER_ALIVE_S)
     return [str(r["writer"]) for r in records]
 
 

@@ -378,17 +378,13 @@ RETURNING (SELECT requested FROM audit_barrier);
 DELETE FROM audit_writers WHERE writer = $1;
 
 -- request_audit_barrier --
-UPDATE audit_barrier SET requested = requested + 1 RETURNING requested, now() AS at;
+UPDATE audit_barrier SET requested = requested + 1 RETURNING requested;
 
 -- audit_writers_behind --
--- The writers that have not answered barrier $1 (asked for at $2) and are taken for alive:
--- heard of within $3 seconds before it was asked for, and not silent for $4 seconds since
--- then (a writer that PostgreSQL could not hear from a while is waited for a little: it may
--- be alive, holding rows it could not write).
+-- The writers that have not answered barrier $1 and were heard of within the last $2 seconds
+-- (they heartbeat twice a second, beside their flushes, until their last rows are written).
 SELECT writer FROM audit_writers
-WHERE answered < $1
-  AND seen_at > $2::timestamptz - make_interval(secs => $3::double precision)
-  AND greatest(seen_at, $2::timestamptz) > now() - make_interval(secs => $4::double precision)
+WHERE answered < $1 AND seen_at > now() - make_interval(secs => $2::double precision)
 ORDER BY writer;
 
 -- trim_audit_writers --
