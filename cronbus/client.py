@@ -55,6 +55,7 @@ from cronbus.forms import (
 from shared.contract import codec, keys, replies
 from shared.contract.errors import CommandRefused, CronbusError
 from shared.contract.replies import StoredSchedule, Triggered
+from shared.rabbitmq import nodes
 from shared.runtime.config import CommonSettings
 
 #: The broker the services use by default.
@@ -181,7 +182,7 @@ class Client:
             await connection.close()
 
     async def _open(self) -> AbstractConnection:
-        return await aio_pika.connect_robust(self.url, timeout=self.timeout_s)
+        return await nodes.connect(self.url, self.app_id, connect_timeout_s=self.timeout_s)
 
     async def _reply_queue(self, channel: AbstractChannel) -> AbstractQueue:
         # RabbitMQ's direct reply-to: nothing to declare or leave behind, and cronbus answers it

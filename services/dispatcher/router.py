@@ -44,7 +44,7 @@ from shared.contract import codec, keys
 from shared.policy import partitions
 from shared.policy.replies import Route as ReplyRoute
 from shared.policy.replies import shape_of
-from shared.rabbitmq import decoding
+from shared.rabbitmq import decoding, nodes
 from shared.runtime import metrics, transient
 from shared.runtime.config import DispatcherSettings
 
@@ -191,9 +191,7 @@ class Router:
         metrics.ROUTER_ACTIVE.set(1 if active else 0)
 
     async def _route_while_locked(self) -> None:
-        connection = await aiormq.connect(
-            self.settings.amqp_url, client_properties={"connection_name": CONNECTION_NAME}
-        )
+        connection = await nodes.connect_plain(self.settings.amqp_url, CONNECTION_NAME)
         try:
             channel = await connection.channel(publisher_confirms=True)
             try:

@@ -11,7 +11,7 @@ import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
 
 from shared.contract import keys
-from shared.rabbitmq import decoding
+from shared.rabbitmq import decoding, nodes
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,11 @@ RECONNECT_INTERVAL_S = 1.0
 async def connect(url: str, name: str) -> AbstractRobustConnection:
     """A connection that reconnects by itself, named so operators can tell who is who.
 
-    Frames whose strings are not UTF-8 are read rather than fatal (``decoding``)."""
+    ``url`` may list the nodes of a cluster, separated by commas: the connection moves to the
+    next when its node is lost (``nodes``). Frames whose strings are not UTF-8 are read rather
+    than fatal (``decoding``)."""
     decoding.install()
-    connection = await aio_pika.connect_robust(
-        url,
-        client_properties={"connection_name": name},
-        timeout=10,
-        reconnect_interval=RECONNECT_INTERVAL_S,
-    )
-    return connection
+    return await nodes.connect(url, name, connect_timeout_s=10)
 
 
 async def declare_topology(channel: AbstractChannel) -> None:

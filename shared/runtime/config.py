@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.contract import urls
 from shared.contract.validation import TargetPolicy
 from shared.policy import exchanges, netpolicy
 from shared.rules import compact
@@ -41,8 +42,13 @@ class CommonSettings(BaseSettings):
     #: CA bundle that signed the Redis server's certificate (rediss:// only); empty: the
     #: system's trust store. The hostname is always verified.
     redis_ca_file: str = ""
-    #: RabbitMQ; amqps:// for TLS (with ?cafile=... for a private CA).
+    #: RabbitMQ; amqps:// for TLS (with ?cafile=... for a private CA). The nodes of a cluster
+    #: as several URLs separated by commas: a service connects to one (starting at random) and
+    #: moves to the next when its node is lost (see High availability).
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    #: RabbitMQ's management API (HTTP), which cronbus doctor asks for the cluster's nodes and
+    #: each quorum queue's members and leader; empty: doctor skips those checks.
+    amqp_management_url: str = "http://guest:guest@127.0.0.1:15672/"
     #: PostgreSQL; add ?sslmode=verify-full (and sslrootcert=...) for TLS.
     database_url: str = "postgresql://postgres@127.0.0.1:5432/cronbus"
     #: Logical shards of the index; fixed at install (changing it needs a rebuild).
@@ -92,6 +98,19 @@ class CommonSettings(BaseSettings):
             port = host.rpartition(":")[2] if ":" in host and not host.endswith("]") else ""
             if port and not (port.isdigit() and 0 < int(port) < 65536):
                 raise ValueError("the port must be a number from 1 to 65535")
+        return value
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp_nodes_parse(cls, value: str) -> str:
+        urls.amqp_urls(value)
+        return value
+
+    @field_validator("amqp_management_url")
+    @classmethod
+    def _management_url_parses(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https:// (or be empty)")
         return value
 
     @field_validator("redis_sentinels")

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from shared.contract import codec
+from shared.contract import codec, urls
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
@@ -27,7 +27,8 @@ class JsonFormatter(logging.Formatter):
         entry.update(_fields(record))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return codec.dumps(entry).decode()
+        # Any URL a line quotes (an error, a setting) loses its password, whatever it came from.
+        return urls.masked(codec.dumps(entry).decode())
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
@@ -47,7 +48,7 @@ class TextFormatter(logging.Formatter):
         # act on is escaped there as well, keeping the traceback's line breaks.
         line = "".join(c if c == "\n" else _escaped(c) for c in super().format(record))
         fields = " ".join(f"{k}={_text(v)}" for k, v in _fields(record).items())
-        return f"{line} {fields}" if fields else line
+        return urls.masked(f"{line} {fields}" if fields else line)
 
 
 def _text(value: Any) -> str:

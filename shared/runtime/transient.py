@@ -13,7 +13,7 @@ import aiormq.exceptions
 import asyncpg
 from redis import exceptions as redis_errors
 
-from shared.contract import errors
+from shared.contract import errors, urls
 from shared.redis.errors import ClusterUnavailable
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ _POSTGRES_REFUSALS = (asyncpg.InvalidCatalogNameError, asyncpg.InsufficientPrivi
 def said(exc: BaseException) -> str:
     """An error for the log, with its message: redis-py's own repr leaves the message out, and
     the operator needs it (which slots, which address)."""
-    return f"{type(exc).__name__}: {exc}"[:500]
+    return urls.masked(f"{type(exc).__name__}: {exc}")[:500]
 
 
 class Stopped(Exception):
