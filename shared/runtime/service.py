@@ -29,6 +29,7 @@ from aiohttp import web
 
 from shared.contract import codec, errors, keys
 from shared.postgres import db, positions
+from shared.policy import eviction
 from shared.postgres.store import Store
 from shared.rabbitmq import amqp
 from shared.redis import connection, index
@@ -433,6 +434,7 @@ class Connections:
         await transient.retry(
             self.index.load_scripts, what="redis", stopping=stopping, setting="CRONBUS_REDIS_URL"
         )
+        await self._check_eviction(stopping)
         self._store = await transient.retry(
             lambda: Store.open(settings.database_url, compact_form=settings.compact_form),
             what="postgres",
@@ -447,6 +449,16 @@ class Connections:
                 stopping=stopping,
                 setting="CRONBUS_AMQP_URL",
             )
+
+    async def _check_eviction(self, stopping: asyncio.Event) -> None:
+        """Refuse a Redis that may evict the index's keys (a schedule would stop firing in
+        silence)."""
+        info = await transient.retry(
+            lambda: self.redis.info("memory"), what="redis", stopping=stopping
+        )
+        refusal = eviction.eviction_refusal(eviction.policies_in(info))
+        if refusal is not None:
+            raise errors.DependencyRefused("CRONBUS_REDIS_URL", refusal)
 
     async def _check_binding(self, stopping: asyncio.Event) -> None:
         """Refuse an index that belongs to another database (another deployment under the
