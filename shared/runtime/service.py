@@ -28,8 +28,8 @@ from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 
 from shared.contract import codec, errors, keys
-from shared.postgres import db, positions
 from shared.policy import eviction
+from shared.postgres import db, positions
 from shared.postgres.store import Store
 from shared.rabbitmq import amqp
 from shared.redis import connection, index
