@@ -19,14 +19,66 @@ from shared.contract import replies, timefmt
 from shared.contract.errors import CommandRefused
 from shared.runtime import transient
 
+#: Largest input file read by ``apply -f``: far above any real set of schedules, and small
+#: enough that parsing it stays quick.
+MAX_INPUT_BYTES = 16 * 1024 * 1024
+#: Deepest nesting of lists and objects accepted; a schedule needs fewer than ten levels.
+MAX_INPUT_DEPTH = 64
+
+
+def _read_bounded(path: str) -> str:
+    """The file's text, refused before it is parsed when it is larger than MAX_INPUT_BYTES."""
+    try:
+        if path == "-":
+            raw = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+        else:
+            with Path(path).open("rb") as handle:
+                raw = handle.read(MAX_INPUT_BYTES + 1)
+    except OSError as exc:
+        raise CliError(f"-f {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_INPUT_BYTES:
+        raise CliError(
+            f"-f {path}: the file is larger than the {MAX_INPUT_BYTES} bytes allowed; "
+            "split it into several files"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CliError(f"-f {path}: not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+
+
+def check_structure(path: str, text: str) -> None:
+    """Refuse aliases and deep nesting from the parser's events, before anything is built.
+
+    A YAML alias repeats a node by reference; nested ones expand exponentially when the
+    document is constructed (a "billion laughs" file), so they are refused outright: a
+    schedule file never needs them (anchors alone are harmless and allowed).
+    """
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            line = event.start_mark.line + 1 if event.start_mark else "?"
+            raise CliError(
+                f"-f {path}: line {line}: YAML aliases (*{event.anchor}) are not accepted; "
+                "write each value out in full"
+            )
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_INPUT_DEPTH:
+                line = event.start_mark.line + 1 if event.start_mark else "?"
+                raise CliError(
+                    f"-f {path}: line {line}: nested deeper than the {MAX_INPUT_DEPTH} levels "
+                    "allowed"
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
 
 def load_schedules(path: str) -> list[dict[str, Any]]:
     """A YAML or JSON file holding one schedule, a list of them, or YAML documents of either."""
+    text = _read_bounded(path)
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    except OSError as exc:
-        raise CliError(f"-f {path}: {exc.strerror or exc}") from None
-    try:
+        check_structure(path, text)
         documents = list(yaml.safe_load_all(text))
     except yaml.YAMLError as exc:
         raise CliError(f"-f {path}: not valid YAML or JSON: {exc}".replace("\n", " ")) from None

@@ -72,3 +72,19 @@ def test_the_readmes_links_lead_somewhere() -> None:
 def test_every_page_is_in_the_sites_navigation() -> None:
     config = (ROOT / "mkdocs.yml").read_text()
     assert {name for name in DOCS} == set(re.findall(r": ([a-z-]+\.md)$", config, re.MULTILINE))
+
+
+def test_no_page_tells_a_reader_to_install_into_whatever_python_is_first_on_the_path() -> None:
+    # `pip install -e '.[docs]' && mkdocs serve` installed into the global Python unless .venv
+    # was active; ./scripts/docs runs from the checkout's own .venv.
+    pages = {"README.md": README, "DEVELOPERS.md": (ROOT / "DEVELOPERS.md").read_text(), **DOCS}
+    told = [
+        name
+        for name, text in pages.items()
+        if re.search(r"^\s*mkdocs (serve|build)", text, re.M) or "pip install -e '.[docs]'" in text
+    ]
+    assert told == []
+    assert "./scripts/docs" in README
+    script = ROOT / "scripts" / "docs"
+    assert script.stat().st_mode & 0o111, "scripts/docs is not executable"
+    assert 'source "$(dirname "$0")/bootstrap.sh"' in script.read_text()
