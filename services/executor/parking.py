@@ -67,7 +67,49 @@ class Parking:
 
     async def _flush_park(self, items: Sequence[tuple[int, parked.ToPark]]) -> list[int]:
         codes = await parked.park(self.index, dict(tally.by_shard(items)), self.safety_ms)
-        return tally.in_order(items, codes)
+        in_order = tally.in_order(items, codes)
+        landed = {
+            p.rate_key: p.limit for (_, p), code in zip(items, in_order, strict=True) if code == 1
+        }
+        if landed:
+            await self._look_if_over(landed)
+        return in_order
+
+    async def _look_if_over(self, landed: dict[str, str]) -> None:
+        """Parks that just landed registered a wake for the hold they were held by; a breaker
+        that closed (or a hold that ended) while they were in the batcher already released
+        its key and will not look again. Read the gates now that the parks are in: a key
+        whose hold is over is nudged, so nothing waits for a wake of a hold that is gone.
+        (A close after this read finds the parks in place and nudges them itself.)"""
+        names = list(landed)
+        try:
+            now, found = await parked.gates_at(self.index, names)
+            over = [
+                name
+                for name, gate in zip(names, found, strict=True)
+                if holds.hold_over(
+                    gate,
+                    holds.parse_limit(landed[name]),
+                    now,
+                    self.breaker_failures,
+                    self.window_ms,
+                )
+            ]
+            if over:
+                await parked.nudge(self.index, over)
+        except transient.ERRORS as exc:
+            # The parks are in: at worst they wait for their wake (the safety deadline after).
+            log.warning(
+                "parked deliveries not looked at again",
+                extra={
+                    "action": "dependency_wait",
+                    "operation": "park",
+                    "error": transient.said(exc),
+                },
+            )
+            return
+        if over:
+            self._look_now.set()
 
     async def park(self, occ: Occurrence, rate_key: str, wake_ms: int, limit: str) -> int:
         """Park a held occurrence behind ``rate_key`` until ``wake_ms`` (1 parked, 0 stale,
@@ -89,7 +131,7 @@ class Parking:
         """The key's breaker closed (or its probe gave its slot back): release what waits
         behind it now, not at its wake."""
         with contextlib.suppress(*transient.ERRORS):
-            await parked.nudge(self.index, rate_key)
+            await parked.nudge(self.index, [rate_key])
         self._look_now.set()
 
     async def look(self) -> int:

@@ -95,6 +95,13 @@ def decide(gate: Gate, limit: Limit, now_ms: int, threshold: int, window_ms: int
     return Release(slots_within(gate.tat, limit, now_ms, window_ms), now_ms + window_ms)
 
 
+def hold_over(gate: Gate, limit: Limit, now_ms: int, threshold: int, window_ms: int) -> bool:
+    """Whether the gate, read at ``now_ms``, already lets through some of what is parked
+    behind it: a park that lands after its breaker closed (or its hold ended) registered a
+    wake for a hold that no longer holds, and must be looked at now rather than then."""
+    return decide(gate, limit, now_ms, threshold, window_ms).count > 0
+
+
 def slots_within(tat: float, limit: Limit, now_ms: int, window_ms: int) -> int:
     """GCRA slots free from now until ``window_ms`` ahead: what the gate would admit or
     reserve, rather than hold, if that many came now."""

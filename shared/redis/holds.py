@@ -100,13 +100,20 @@ async def wakes(index: Index, limit: int, now_ms: int | None = None) -> tuple[in
 
 async def gates(index: Index, rate_keys: Sequence[str]) -> list[Gate]:
     """The gate of each rate key (breaker, Retry-After hold, GCRA slot), one round trip."""
+    return (await gates_at(index, rate_keys))[1]
+
+
+async def gates_at(index: Index, rate_keys: Sequence[str]) -> tuple[int, list[Gate]]:
+    """The Redis clock (ms) and the gate of each rate key, read together in one round trip."""
     pipe = index.client.pipeline(transaction=False)
+    pipe.time()
     for rate_key in rate_keys:
         tat, hold, breaker = index.keys.rate(rate_key)
         pipe.hmget(breaker, ["fails", "open_until", "probe_until"])
         pipe.get(hold)
         pipe.get(tat)
-    replies = await pipe.execute()
+    clock, *replies = await pipe.execute()
+    now = int(clock[0]) * 1000 + int(clock[1]) // 1000
     found = []
     for i in range(0, len(replies), 3):
         (fails, open_until, probe_until), held, tat = replies[i : i + 3]
@@ -119,7 +126,7 @@ async def gates(index: Index, rate_keys: Sequence[str]) -> list[Gate]:
                 float(tat or 0),
             )
         )
-    return found
+    return now, found
 
 
 async def unpark(
@@ -150,13 +157,15 @@ async def unpark(
     }
 
 
-async def nudge(index: Index, rate_key: str) -> None:
-    """Look at a rate key's parked occurrences at once (its breaker just closed), in every
-    shard that parks some: its wake is lowered to 0, never added where it is not parked."""
-    pipe = index.client.pipeline(transaction=False)
-    for shard in range(index.shards):
-        pipe.zadd(index.keys.parked(shard), {rate_key: 0}, xx=True, lt=True)
-    await pipe.execute()
+async def nudge(index: Index, rate_keys: Sequence[str]) -> None:
+    """Look at rate keys' parked occurrences at once (a breaker closed, or a park landed after
+    it did), in every shard that parks some: each wake is lowered to a value never read before
+    (nudge.lua), which fences off a look that read the gate before; never added where it is
+    not parked."""
+    if rate_keys:
+        await index.run(
+            [("nudge", [index.keys.parked(s)], list(rate_keys)) for s in range(index.shards)]
+        )
 
 
 async def parked_count(index: Index, shard: int, rate_key: str) -> int:

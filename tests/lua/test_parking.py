@@ -131,7 +131,7 @@ async def test_a_reset_while_parked_is_not_moved_by_a_release(index: Index) -> N
 
 async def test_nudge_wakes_a_parked_key_now_and_adds_none_elsewhere(index: Index) -> None:
     await park(index, "ns/a", await claimed_token(index, 0, "ns/a", NOW), NOW + 30_000)
-    await holds.nudge(index, KEY)
+    await holds.nudge(index, [KEY])
     woken = (await holds.wakes(index, 10, now_ms=NOW))[1]
     assert [(w.shard, w.wake_ms) for w in woken] == [(0, 0)]
     assert await index.client.zcard(index.keys.parked(1)) == 0

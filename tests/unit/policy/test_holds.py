@@ -10,6 +10,7 @@ from shared.policy.holds import Gate, Limit, Release
 
 NOW = 1_800_000_000_000
 NONE = Limit(0.0, 1)
+THRESHOLD = 5
 CLEAR = Gate(0, 0, 0, 0, 0.0)
 
 
@@ -106,3 +107,26 @@ def test_members_parked_together_come_back_spread_over_the_window() -> None:
     # 10,000 over 180 s: about 56 a second; a fair hash stays well under twice that.
     assert max(per_second.values()) < 120
     assert max(times.count(t) for t in set(times[:200])) <= 3
+
+
+@given(
+    fails=st.integers(0, 10),
+    open_for=st.integers(-5000, 5000),
+    probe_for=st.integers(-5000, 5000),
+    hold_for=st.integers(-5000, 5000),
+)
+def test_a_hold_is_over_exactly_when_no_hold_breaker_or_probe_in_flight_still_holds(
+    fails: int, open_for: int, probe_for: int, hold_for: int
+) -> None:
+    # A park landing now may wait for its wake only while something still holds its key.
+    now = 1_000_000
+    gate = Gate(fails, now + open_for, now + probe_for, now + hold_for, 0.0)
+    held = hold_for > 0 or open_for > 0 or (fails >= THRESHOLD and probe_for > 0)
+    assert holds.hold_over(gate, NONE, now, THRESHOLD, 1000) is not held
+
+
+def test_a_rate_limited_key_with_no_slot_in_the_window_is_still_held() -> None:
+    now = 1_000_000
+    limit = Limit(100.0, 1)
+    assert not holds.hold_over(Gate(0, 0, 0, 0, now + 5000.0), limit, now, THRESHOLD, 1000)
+    assert holds.hold_over(Gate(0, 0, 0, 0, now + 500.0), limit, now, THRESHOLD, 1000)
