@@ -122,9 +122,13 @@ class Limits:
         )
         if code == HELD:
             metrics.RATE_HELD.labels(metrics.NAMESPACES(occ.namespace)).inc()
+            if admission.probe:
+                # The target's gate gave it the half-open breaker's one probe, and it goes
+                # nowhere: the next delivery of the key probes at once, not after a timeout.
+                await self._give_back_probe(admission.rate_key)
             held_limit = format_limit(item[1], item[2])
             return dataclasses.replace(
-                admission, code=HELD, ms=ms, held_by=item[0], held_limit=held_limit
+                admission, code=HELD, ms=ms, probe=False, held_by=item[0], held_limit=held_limit
             )
         if code == WAIT and (admission.code != WAIT or ms > admission.ms):
             metrics.RATE_WAITS.labels(metrics.NAMESPACES(occ.namespace)).inc()

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
-from services.executor.limits import Admission, Limits
+from services.executor.limits import HELD, Admission, Limits
 from services.executor.settle import Outcome
 from shared.contract.delivery import Occurrence
 from shared.contract.entries import occ_state
 from shared.policy.holds import safety_ms_of
+from shared.policy.limits import rate_key
 from shared.redis import holds
 from shared.redis.holds import ToPark, ToRelease
 from shared.redis.index import Index
+from shared.rules.plan import WebhookPlan
 from shared.runtime.config import ExecutorSettings
 from tests.lua.test_scripts import LEASE_MS, NOW, add
 
@@ -138,6 +141,34 @@ async def test_the_executor_gives_back_a_probe_that_sent_nothing(
     probe = Admission(key, code, 0, True, True)
     nothing_sent = Outcome(False, None, "secret missing", sent=False)
     await limits.report(cast(Occurrence, SimpleNamespace(namespace="acme")), probe, nothing_sent)
+    ((code, _, flags),) = await index.gate([(key, 0.0, 1, 60_000)], failures, 2000)
+    assert code == 0 and flags & 1, "the next delivery is the probe, at once"
+    await limits.drain()
+
+
+async def test_a_probe_the_quota_holds_gives_its_slot_back(
+    index: Index, redis_prefix: str, tmp_path: Path
+) -> None:
+    """The target's gate gives the half-open breaker's probe to a delivery its namespace's
+    max_fires_per_s then holds: it is parked behind the quota, and the probe slot is free for
+    the next delivery of the key at once, not after the probe's timeout."""
+    quotas = tmp_path / "quotas.json"
+    quotas.write_text('{"acme": {"max_fires_per_s": 0.01}}')
+    settings = ExecutorSettings(
+        redis_prefix=redis_prefix, shards=index.shards, quotas_file=str(quotas)
+    )
+    limits = Limits(index, settings, asyncio.Event(), lambda: int(time.time() * 1000), 1)
+    target = WebhookPlan("http://127.0.0.1:80/a")
+    key = rate_key("acme", target)
+    occ = cast(Occurrence, SimpleNamespace(namespace="acme", plan=SimpleNamespace(target=target)))
+    other = WebhookPlan("http://127.0.0.1:81/b")
+    first = cast(Occurrence, SimpleNamespace(namespace="acme", plan=SimpleNamespace(target=other)))
+    assert (await limits.admit(first)).code == 0  # the quota's one fire for the next 100 s
+    failures = settings.breaker_failures
+    await index.report([(key, False, None)] * failures, failures, 1, 60_000)
+    await asyncio.sleep(0.01)  # past the 1 ms cooldown: half-open
+    held = await limits.admit(occ)
+    assert held.code == HELD and not held.probe
     ((code, _, flags),) = await index.gate([(key, 0.0, 1, 60_000)], failures, 2000)
     assert code == 0 and flags & 1, "the next delivery is the probe, at once"
     await limits.drain()
