@@ -229,6 +229,15 @@ class Client:
                 # The robust connection is coming back: publish again once it has.
                 await asyncio.sleep(0.2)
                 await self._channel.ready()
+            except aiormq.exceptions.DeliveryError:
+                # Refused by the broker (a nack): a queue electing a new leader after its node
+                # was lost, or the confirms of a channel that went down with its node. Sent
+                # again, with its own message_id: cronbus replays a command, never applies it
+                # twice. The caller's timeout bounds the tries.
+                if not isinstance(self._channel, AbstractRobustChannel):
+                    raise
+                await asyncio.sleep(0.5)
+                await self._channel.ready()
 
     async def send(
         self,

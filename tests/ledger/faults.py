@@ -39,7 +39,7 @@ FAULTS = (
 HOST_DOWN_S = 6.0
 THROTTLE_S = 6.0
 #: The long profile's pass adds these.
-LONG_FAULTS = (*FAULTS, "redis-failover")
+LONG_FAULTS = (*FAULTS, "redis-failover", "rabbitmq-node-failover")
 #: How far behind the promoted replica of the failover fault is: from 0.1 s to longer than
 #: the ledger's sweep interval (1 s), drawn each time.
 FAILOVER_LAG_S = (0.1, 1.5)
@@ -187,6 +187,15 @@ async def _redis_failover(kit: Kit) -> None:
     await kit.all_ready()
 
 
+async def _rabbitmq_node_failover(kit: Kit) -> None:
+    """The node every service is connected to is lost: the broker closes every connection, and
+    the services move to the next node of CRONBUS_AMQP_URL (the ledger's one node under a
+    second name) with their consumers. Killing a node of a real cluster is
+    tests/failover/test_rabbitmq_cluster.py; the ledger keeps its one private broker."""
+    await asyncio.to_thread(kit.servers.rabbit.close_connections)
+    await kit.all_ready()
+
+
 async def _postgres_restart(kit: Kit) -> None:
     await asyncio.to_thread(kit.servers.postgres.stop)
     await asyncio.sleep(2)
@@ -238,6 +247,7 @@ ACTIONS: dict[str, Callable[[Kit], Awaitable[None]]] = {
     "retry-after-429": _retry_after_429,
     "host-down": _host_down,
     "redis-failover": _redis_failover,
+    "rabbitmq-node-failover": _rabbitmq_node_failover,
 }
 
 

@@ -57,7 +57,12 @@ def env(servers: private.PrivateServices) -> dict[str, str]:
     return {
         "CRONBUS_REDIS_URL": servers.redis.url,
         "CRONBUS_REDIS_PREFIX": services.unique("ledger"),
-        "CRONBUS_AMQP_URL": services.with_vhost(servers.rabbit.url, vhost),
+        # Long profile: the one node under two names, a list of two as a cluster's would be
+        # (the rabbitmq-node-failover fault makes every service move to the other).
+        "CRONBUS_AMQP_URL": ",".join(
+            services.with_vhost(url, vhost)
+            for url in (servers.rabbit.urls_of_one_node if MINUTES > 0 else [servers.rabbit.url])
+        ),
         "CRONBUS_DATABASE_URL": services.with_database(
             servers.postgres.url, services.unique("ledger_")
         ),

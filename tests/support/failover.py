@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cronbus.cli.sink import Sink
+from cronbus.client import Client
 from shared.contract import keys, timefmt
 from shared.policy import netpolicy
 from shared.rules import schedule
@@ -98,7 +99,7 @@ class Workload:
     namespace: str
     first: dict[str, int] = field(default_factory=dict)
 
-    async def add(self, client: CommandClient, schedule_id: str, url: str, jitter_s: float) -> None:
+    async def add(self, client: Client, schedule_id: str, url: str, jitter_s: float) -> None:
         reply = await client.send(self.namespace, "upsert", firing_body(schedule_id, url, jitter_s))
         assert reply["ok"], reply
         self.first[schedule_id] = timefmt.parse_rfc3339_ms(reply["schedule"]["next_fires"][0])

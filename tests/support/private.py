@@ -99,6 +99,15 @@ class PrivateRabbit:
         return f"amqp://guest:guest@127.0.0.1:{self.port}/"
 
     @property
+    def urls_of_one_node(self) -> tuple[str, str]:
+        """This node by two names: a list the services take for two nodes."""
+        return self.url, f"amqp://guest:guest@localhost:{self.port}/"
+
+    def close_connections(self) -> None:
+        """Every client connection closed by the broker, as when its node is lost."""
+        self._ctl("close_all_connections", "cronbus test: node lost")
+
+    @property
     def ctl(self) -> list[str]:
         return ["rabbitmqctl", "-q", "-n", self.node]
 
@@ -116,11 +125,14 @@ class PrivateRabbit:
             [*self.ctl, *args], check=check, capture_output=True, env=env, timeout=timeout
         )
 
-    def start(self) -> None:
+    def configure(self) -> None:
         (self.directory / "rabbitmq.conf").write_text(
             f"listeners.tcp.local = 127.0.0.1:{self.port}\n"
         )
         (self.directory / "enabled_plugins").write_text("[].\n")
+
+    def start(self) -> None:
+        self.configure()
         (self.directory / "env.conf").write_text("")
         for path in self.directory.iterdir():
             if os.geteuid() == 0:
