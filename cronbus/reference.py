@@ -5,6 +5,7 @@ the metrics from their declarations (``shared/runtime/metrics.py``).
 The tables live in the pages between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``.
 ``python -m cronbus.reference`` rewrites them; ``--check`` exits 1 when a page disagrees with the
 code (a test does the same), and the site's build hook renders them from the code as well.
+It writes ``docs/asyncapi.yaml`` from the contract's models the same way (``cronbus.asyncapi``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import prometheus_client
 from pydantic_settings import BaseSettings
 
+from cronbus import asyncapi
 from shared.runtime import config, metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,8 +172,14 @@ def render(markdown: str) -> str:
     return REGION.sub(fill, markdown)
 
 
+ASYNCAPI = DOCS / "asyncapi.yaml"
+
+
 def stale_pages() -> list[Path]:
-    return [path for path in sorted(DOCS.glob("*.md")) if render(text := path.read_text()) != text]
+    stale = [path for path in sorted(DOCS.glob("*.md")) if render(text := path.read_text()) != text]
+    if not ASYNCAPI.exists() or ASYNCAPI.read_text() != asyncapi.render():
+        stale.append(ASYNCAPI)
+    return stale
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path.relative_to(ROOT)} disagrees with the code: run {parser.prog}")
         return 1 if stale else 0
     for path in stale:
-        path.write_text(render(path.read_text()))
+        path.write_text(asyncapi.render() if path == ASYNCAPI else render(path.read_text()))
         print(f"rewrote {path.relative_to(ROOT)}")
     return 0
 

@@ -11,7 +11,12 @@ import shutil
 import pytest
 
 #: The Debian package that holds each program.
-PACKAGES = {"chromium": "chromium", "chromedriver": "chromium-driver", "tmux": "tmux"}
+PACKAGES = {
+    "chromium": "chromium",
+    "chromedriver": "chromium-driver",
+    "tmux": "tmux",
+    "node": "nodejs npm",
+}
 
 
 def missing(*programs: str) -> list[str]:
@@ -28,6 +33,10 @@ def require(*programs: str) -> None:
         f"{', '.join(absent)} not installed: install with "
         f"`sudo apt-get install -y {packages}` (or run ./.ci/run, which does)"
     )
+    skip_or_fail(reason)
+
+
+def skip_or_fail(reason: str) -> None:
     if os.environ.get("CRONBUS_TEST_REQUIRE_TOOLS") == "1":
         pytest.fail(reason)
     pytest.skip(reason)
