@@ -58,6 +58,19 @@ def quiet_drivers() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+#: The namespace a command uses when neither -n nor CRONBUS_NAMESPACE names one.
+DEFAULT_NAMESPACE = "default"
+
+
+def namespace_arg(text: str) -> str:
+    """-n's value; an empty one is refused here, naming -n, rather than by the service."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "empty: give the schedules' namespace, e.g. -n billing (or set CRONBUS_NAMESPACE)"
+        )
+    return text
+
+
 def positive_int(text: str) -> int:
     """An argparse type: a whole number >= 1."""
     try:

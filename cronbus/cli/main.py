@@ -2,7 +2,7 @@
 
 Connection settings come from the same CRONBUS_* environment variables the services read
 (CRONBUS_AMQP_URL, CRONBUS_DATABASE_URL, ...). The namespace comes from -n/--namespace or
-CRONBUS_NAMESPACE (default: "default").
+CRONBUS_NAMESPACE; without either, "default" (and the command says so on stderr).
 """
 
 from __future__ import annotations
@@ -17,7 +17,15 @@ from typing import TypeAlias
 from cronbus.bench import command as bench_command
 from cronbus.cli import commands, completion, dev, doctor, importer, output, procs, top
 from cronbus.cli import preview as preview_cmd
-from cronbus.cli.common import CliError, interval_s, positive_int, quiet_drivers, unreachable
+from cronbus.cli.common import (
+    DEFAULT_NAMESPACE,
+    CliError,
+    interval_s,
+    namespace_arg,
+    positive_int,
+    quiet_drivers,
+    unreachable,
+)
 from shared.rules import compact
 from shared.runtime.config import DispatcherSettings, ExecutorSettings, SweeperSettings
 
@@ -30,8 +38,12 @@ def _with_namespace(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-n",
         "--namespace",
-        default=os.environ.get("CRONBUS_NAMESPACE", "default"),
-        help="namespace of the schedules (default: $CRONBUS_NAMESPACE or 'default')",
+        type=namespace_arg,
+        # A set CRONBUS_NAMESPACE goes through namespace_arg too (argparse converts string
+        # defaults), so an empty one is refused naming -n; unset, main() says 'default' is used.
+        default=os.environ.get("CRONBUS_NAMESPACE"),
+        help="namespace of the schedules (default: $CRONBUS_NAMESPACE, else 'default', "
+        "which the command then says on stderr)",
     )
     p.add_argument("--timeout", type=float, default=30, help="seconds to wait for the reply")
 
@@ -257,6 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Handler = args.handler
+    if "namespace" in args and args.namespace is None:
+        args.namespace = DEFAULT_NAMESPACE
+        print(
+            f"cronbus {args.command}: no -n given and CRONBUS_NAMESPACE unset: "
+            f"using namespace '{DEFAULT_NAMESPACE}'",
+            file=sys.stderr,
+        )
     quiet_drivers()
     try:
         return handler(args)

@@ -318,7 +318,9 @@ target: {{kind: webhook, url: "{sink.url}/x"}}
     assert executions.returncode == 0, executions.stderr
     rows = [codec.loads(line) for line in executions.stdout.splitlines()]
     assert rows and all(r["status"] == "succeeded" for r in rows)
-    bad_file = await asyncio.to_thread(run, "apply", "-f", str(tmp_path / "missing.yaml"))
+    bad_file = await asyncio.to_thread(
+        run, "apply", "-f", str(tmp_path / "missing.yaml"), "-n", "team"
+    )
     assert bad_file.returncode == 2 and len(bad_file.stderr.strip().splitlines()) == 1
 
 
