@@ -129,8 +129,16 @@ def _notes(args: argparse.Namespace, result: dict[str, Any]) -> None:
 def _error_line(reply: dict[str, Any]) -> str:
     error = reply.get("error") or {}
     details = error.get("details") or []
-    where = "; ".join(f"{d.get('field')}: {d.get('reason')}" for d in details)
+    where = "; ".join(_detail_text(d) for d in details)
     return f"{error.get('code')}: {where or error.get('message')}"
+
+
+def _detail_text(detail: dict[str, Any]) -> str:
+    # "(body)" is the contract's name for the whole command; printed as a field it read like
+    # target.body ("too_large: (body): is too large").
+    if detail.get("field") == "(body)":
+        return f"the command's body {detail.get('reason')}"
+    return f"{detail.get('field')}: {detail.get('reason')}"
 
 
 @contextlib.asynccontextmanager

@@ -171,7 +171,14 @@ class Checks:
                 "too_large",
                 f"the command is {len(received.body)} bytes; at most "
                 f"{self.settings.max_command_bytes} are accepted",
-                [{"field": "(body)", "reason": "is too large"}],
+                [
+                    {
+                        "field": "(body)",
+                        "reason": f"is {len(received.body)} bytes, over the "
+                        f"{self.settings.max_command_bytes} bytes allowed "
+                        "(CRONBUS_MAX_COMMAND_BYTES)",
+                    }
+                ],
             )
         validation.check_properties(meta.message_id, meta.correlation_id)
         namespace, verb = split_routing_key(meta.routing_key)

@@ -80,3 +80,25 @@ def test_a_file_over_the_size_limit_is_refused_before_it_is_parsed(
     path.write_text("id: x\n" + "note: " + "y" * 2000 + "\n: : :\n")
     with pytest.raises(CliError, match=r"big\.yaml: the file is larger than the .* allowed"):
         commands.load_schedules(str(path))
+
+
+def test_a_refusal_of_the_whole_body_reads_as_the_command_not_a_field() -> None:
+    reply = {
+        "ok": False,
+        "error": {
+            "code": "too_large",
+            "message": "the command is 300000 bytes; at most 262144 are accepted",
+            "details": [
+                {
+                    "field": "(body)",
+                    "reason": "is 300000 bytes, over the 262144 bytes allowed "
+                    "(CRONBUS_MAX_COMMAND_BYTES)",
+                },
+                {"field": "spec.expr", "reason": "is empty"},
+            ],
+        },
+    }
+    assert commands._error_line(reply) == (
+        "too_large: the command's body is 300000 bytes, over the 262144 bytes allowed "
+        "(CRONBUS_MAX_COMMAND_BYTES); spec.expr: is empty"
+    )
