@@ -207,12 +207,37 @@ def _start(name: str, port: int, env: dict[str, str]) -> ServiceProcess:
     )
 
 
+#: How to keep this run off an index or data that another deployment owns (printed on a
+#: failed start and in ``cronbus dev --help``).
+OWN_REDIS_HINT = (
+    "if the Redis is another deployment's, give this one its own database or key prefix, "
+    "e.g. CRONBUS_REDIS_URL=redis://127.0.0.1:6379/1 or CRONBUS_REDIS_PREFIX=mine"
+)
+_ERROR_MARKS = (" ERROR ", " CRITICAL ", "Error:", "refuse")
+
+
+def failure_lines(log_text: str, at_most: int = 5) -> list[str]:
+    """The log's last error lines (its last lines when none is marked as an error)."""
+    lines = [line for line in log_text.splitlines() if line.strip()]
+    errors = [line for line in lines if any(mark in line for mark in _ERROR_MARKS)]
+    return (errors or lines)[-at_most:]
+
+
+def not_ready_error(name: str, log: Path) -> CliError:
+    try:
+        reason = failure_lines(log.read_text(errors="replace"))
+    except OSError:
+        reason = []
+    said = "".join(f"\n  {line}" for line in reason) or "\n  (its log is empty)"
+    return CliError(f"{name} did not become ready; the end of {log}:{said}\n{OWN_REDIS_HINT}")
+
+
 async def _wait_ready(children: list[ServiceProcess], timeout_s: float) -> None:
     for child in children:
         try:
             await child.wait_ready(timeout_s)
         except RuntimeError:
-            raise CliError(f"{child.name} did not become ready; see {child.log}") from None
+            raise not_ready_error(child.name, child.log) from None
 
 
 async def _register_demo(settings: CommonSettings, sink: Sink) -> None:

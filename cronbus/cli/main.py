@@ -154,7 +154,14 @@ def _add_operations(sub: Subparsers) -> None:
         "port CRONBUS_CONSOLE_PORT, actions with CRONBUS_CONSOLE_ACTIONS=1)",
     )
     p.set_defaults(handler=_run_console)
-    p = sub.add_parser("dev", help="run migrations, the three services and the console locally")
+    p = sub.add_parser(
+        "dev",
+        help="run migrations, the three services and the console locally",
+        epilog="Redis, RabbitMQ and PostgreSQL come from the CRONBUS_* settings. A service "
+        "that does not start is named with the last error lines of its log; "
+        + dev.OWN_REDIS_HINT
+        + ".",
+    )
     p.add_argument(
         "--demo", action="store_true", help="also start a printing sink and register demo schedules"
     )

@@ -5,6 +5,8 @@ README is the short page it promises to be."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -88,3 +90,17 @@ def test_no_page_tells_a_reader_to_install_into_whatever_python_is_first_on_the_
     script = ROOT / "scripts" / "docs"
     assert script.stat().st_mode & 0o111, "scripts/docs is not executable"
     assert 'source "$(dirname "$0")/bootstrap.sh"' in script.read_text()
+
+
+def test_a_newcomer_is_told_how_to_give_dev_its_own_redis_database_or_prefix() -> None:
+    exe = Path(sys.executable).parent / "cronbus"
+    dev_help = subprocess.run(
+        [str(exe), "dev", "--help"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    for name, text in (
+        ("README.md", README),
+        ("getting-started.md", DOCS["getting-started.md"]),
+        ("cronbus dev --help", " ".join(dev_help.split())),
+    ):
+        assert "CRONBUS_REDIS_URL=redis://127.0.0.1:6379/1" in text, name
+        assert "CRONBUS_REDIS_PREFIX=mine" in text, name

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from cronbus.cli import dev
+from cronbus.cli.common import CliError
 
 BUCKET = "cronbus_fire_lateness_seconds_bucket,le="
 
@@ -39,3 +41,33 @@ def test_each_run_starts_its_logs_afresh(tmp_path: Path, monkeypatch: pytest.Mon
         log.write_text(f"run {run}\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["executor.log", "executor.previous.log"]
     assert (tmp_path / "executor.log").read_text() == "run 2\n"
+
+
+def test_a_service_that_does_not_start_is_named_with_its_log_and_how_to_pick_another_redis(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "dispatcher.log"
+    log.write_text(
+        "2026-11-28 15:00:00 dispatcher INFO starting\n"
+        "2026-11-28 15:00:01 dispatcher ERROR the index under prefix 'cronbus' belongs to "
+        "another database (5/prod); give this deployment its own Redis or CRONBUS_REDIS_PREFIX\n"
+        "2026-11-28 15:00:01 dispatcher INFO stopped\n"
+    )
+
+    class NeverReady:
+        name = "dispatcher"
+
+        def __init__(self) -> None:
+            self.log = log
+
+        async def wait_ready(self, timeout_s: float) -> None:
+            raise RuntimeError("not ready")
+
+    with pytest.raises(CliError) as raised:
+        asyncio.run(dev._wait_ready([NeverReady()], 0.1))  # type: ignore[list-item]
+    said = str(raised.value)
+    assert "dispatcher did not become ready" in said
+    assert "belongs to another database (5/prod)" in said
+    assert "INFO starting" not in said
+    assert "CRONBUS_REDIS_URL=redis://127.0.0.1:6379/1" in said
+    assert "CRONBUS_REDIS_PREFIX" in said
