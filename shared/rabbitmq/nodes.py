@@ -85,6 +85,9 @@ class FailoverConnection(aio_pika.RobustConnection):
         self._dials = 0
         self._moved_at = -1
         self._wait = 0.0
+        #: Until ``connect`` has one node, its caller reports why none answered: a move
+        #: during those first dials is no news to an operator (the CLI prints one line).
+        self.established = False
         super().__init__(URL(ring.current), **kwargs)
 
     def __str__(self) -> str:
@@ -105,7 +108,8 @@ class FailoverConnection(aio_pika.RobustConnection):
         self._moved_at = self._dials
         left = urls.host_port(self.ring.current)
         self._wait = self.ring.failed()
-        log.warning(
+        log.log(
+            logging.WARNING if self.established else logging.DEBUG,
             "RabbitMQ node lost or unreachable, moving to the next",
             extra={
                 "action": "amqp_node_next",
@@ -160,6 +164,7 @@ async def connect(
                 ring.failed()
             continue
         ring.connected()
+        connection.established = True
         return connection
     assert error is not None
     raise error
