@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from cronbus.cli import output
+from cronbus.cli import output, said
 from cronbus.cli.common import CliError, amqp_url, broker_error, database_error, database_url
 from cronbus.client import AccessRefused, Client, NoReply, user_of
 from shared.contract import replies, timefmt
@@ -114,7 +114,8 @@ def _notes(args: argparse.Namespace, result: dict[str, Any]) -> None:
     schedule = result.get("schedule") or {}
     name = result.get("id") or schedule.get("id") or ""
     version = result.get("version", schedule.get("version"))
-    if result.get("unchanged"):
+    # In text the line on stdout says it already; scripts reading json or yaml get it here.
+    if result.get("unchanged") and getattr(args, "output", "json") != "text":
         print(
             f"cronbus {args.command}: {name}: unchanged (still version {version})", file=sys.stderr
         )
@@ -163,13 +164,21 @@ async def _connected(args: argparse.Namespace, verb: str) -> AsyncIterator[Clien
         raise CliError(broker_error(exc)) from None
 
 
-def _show(args: argparse.Namespace, reply: dict[str, Any]) -> None:
-    """A reply as ``-o`` asks (get and list), or as JSON (the other verbs: for scripts)."""
+def _show(args: argparse.Namespace, reply: dict[str, Any], body: dict[str, Any]) -> None:
+    """A reply as ``-o`` asks: get and list as tables, the other verbs as a line for people
+    (``said``), or the reply itself (json, yaml)."""
     fmt = getattr(args, "output", "json")
     if fmt == "json":
         output.print_json(reply)
     elif fmt == "yaml":
         output.print_yaml(reply)
+    elif fmt == "text":
+        verb = "upsert" if args.command == "apply" else args.command
+        text = said.line(verb, args.namespace, reply, str(body.get("id", "")))
+        if text is not None:
+            print(text)
+        elif reply.get("ok"):
+            output.print_json(reply)  # a reply this CLI does not know how to word: as it came
     elif reply.get("ok"):
         wide = fmt == "wide"
         if "schedules" in reply:
@@ -190,7 +199,7 @@ async def _send_all(args: argparse.Namespace, verb: str, bodies: list[dict[str, 
     async with _connected(args, verb) as client:
         for body in bodies:
             reply = await client.send(args.namespace, verb, body)
-            _show(args, reply)
+            _show(args, reply, body)
             _notes(args, reply)
             if not reply.get("ok"):
                 failures += 1
@@ -211,13 +220,19 @@ async def _apply_many(args: argparse.Namespace, schedules: list[dict[str, Any]])
         try:
             results = await client.upsert_many(args.namespace, schedules)
         except CommandRefused as refused:
-            _show(args, refused.reply)
+            _show(args, refused.reply, {})
             print(f"cronbus {args.command}: {_error_line(refused.reply)}", file=sys.stderr)
             return 1
     failures = 0
     for result in results:
         shown = result.as_reply()
-        output.print_json(shown)
+        if args.output == "json":
+            output.print_json(shown)  # a line per schedule, as before -o existed
+        elif args.output == "yaml":
+            print("---")
+            output.print_yaml(shown)
+        elif (text := said.result_line(args.namespace, shown)) is not None:
+            print(text)
         _notes(args, shown)
         if not result.ok:
             failures += 1

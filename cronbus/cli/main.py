@@ -52,6 +52,7 @@ def _add_commands(sub: Subparsers) -> None:
     p = sub.add_parser("apply", help="create or replace schedules from a YAML or JSON file")
     p.add_argument("-f", "--file", required=True, help="file of one or many schedules ('-': stdin)")
     _with_namespace(p)
+    output.add_action_option(p)
     p.set_defaults(handler=commands.run_apply)
     p = sub.add_parser("get", help="show a schedule with its next fire times and stats")
     p.add_argument("id", help="schedule id")
@@ -67,6 +68,7 @@ def _add_commands(sub: Subparsers) -> None:
         p = sub.add_parser(verb, help=text)
         p.add_argument("id", help="schedule id")
         _with_namespace(p)
+        output.add_action_option(p)
         p.set_defaults(handler=commands.run_by_id)
     p = sub.add_parser(
         "backfill",
@@ -80,6 +82,7 @@ def _add_commands(sub: Subparsers) -> None:
         "--limit", type=int, help="most occurrences to deliver (default 1000, at most 100000)"
     )
     _with_namespace(p)
+    output.add_action_option(p)
     p.set_defaults(handler=commands.run_backfill)
     p = sub.add_parser("list", help="list schedules (paged)")
     p.add_argument("--limit", type=int, default=100)

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from cronbus.cli import said
 from shared.contract import codec, models, timefmt
 from shared.contract.replies import StoredSchedule
 
@@ -27,6 +28,19 @@ def add_option(parser: argparse.ArgumentParser, rows: str = "the reply, for scri
         choices=FORMATS,
         default="table",
         help=f"table (default), wide (a table with more columns), json ({rows}), yaml",
+    )
+
+
+def add_action_option(parser: argparse.ArgumentParser) -> None:
+    """``-o`` of the verbs that change something (apply, pause, resume, delete, trigger,
+    backfill): a line for people by default, whatever stdout is, as get and list print tables."""
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=said.FORMATS,
+        default="text",
+        help="text (default: one line per command, for people), json (the reply exactly as "
+        "cronbus sent it, on one line, for scripts), yaml",
     )
 
 

@@ -176,7 +176,9 @@ async def test_a_paused_schedules_backfill_waits_for_the_resume(
         timefmt.format_ms(window[1]),
     )
     assert printed.returncode == 0, printed.stderr
-    assert '"backfill":{"occurrences":5}' in printed.stdout, printed.stdout
+    assert printed.stdout == (
+        f"backfill of {NS}/held started: 5 occurrences to deliver, oldest first\n"
+    ), printed.stdout
     await asyncio.sleep(3)
     assert of(sink, "held") == []
     assert await remaining(client, "held") == 5

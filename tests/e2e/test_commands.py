@@ -294,7 +294,8 @@ target: {{kind: webhook, url: "{sink.url}/x"}}
             [*cli, *args], capture_output=True, text=True, env=env, timeout=60, check=False
         )
 
-    applied = await asyncio.to_thread(run, "apply", "-f", str(path), "-n", "team")
+    # For scripts, -o json: a result per schedule, one JSON line each.
+    applied = await asyncio.to_thread(run, "apply", "-f", str(path), "-n", "team", "-o", "json")
     assert applied.returncode == 1  # one of the three was refused
     replies = [codec.loads(line) for line in applied.stdout.splitlines()]
     assert [r["ok"] for r in replies] == [True, True, False]

@@ -17,6 +17,8 @@ from shared.contract import codec
 from tests.support import services
 from tests.support.stack import Stack
 
+CRONBUS = str(Path(sys.executable).parent / "cronbus")
+
 
 async def test_apply_twice_says_unchanged_and_warns_of_a_once_in_the_past(
     stack: Stack, stack_env: dict[str, str], sink: Sink, tmp_path: Path
@@ -33,9 +35,9 @@ async def test_apply_twice_says_unchanged_and_warns_of_a_once_in_the_past(
 """)
     env = {**os.environ, **stack_env}
 
-    def apply() -> subprocess.CompletedProcess[str]:
+    def apply(*options: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [str(Path(sys.executable).parent / "cronbus"), "apply", "-f", str(path), "-n", "nc"],
+            [CRONBUS, "apply", "-f", str(path), "-n", "nc", *options],
             capture_output=True,
             text=True,
             env=env,
@@ -47,7 +49,7 @@ async def test_apply_twice_says_unchanged_and_warns_of_a_once_in_the_past(
     assert first.returncode == 0, first.stderr
     assert "missed: warning: spec.at: 2020-01-01T00:00:00Z is in the past" in first.stderr
     assert "unchanged" not in first.stderr
-    again = await asyncio.to_thread(apply)
+    again = await asyncio.to_thread(apply, "-o", "json")
     assert again.returncode == 0, again.stderr
     results = [codec.loads(line) for line in again.stdout.splitlines()]
     nightly = next(r for r in results if r["id"] == "nightly")
