@@ -8,7 +8,9 @@
   KEYS triples, one per delivery:
     tat      STRING theoretical arrival time of the rate key's next slot (ms), expires idle
     hold     STRING end of a Retry-After hold (ms), expires with it
-    breaker  HASH   fails (consecutive failed attempts), open_until (ms), probe_until (ms)
+    breaker  HASH   fails (consecutive failed attempts), open_until (ms), probe_until (ms),
+                    probes (count: probes let through since it opened; the executors release
+                    the next probe from the shard this turns to: shared.policy.holds.shares)
   ARGV[1] now_ms            (ms, optional: '' reads the server clock; tests only)
   ARGV[2] breaker_failures  (count) failures that open a breaker
   ARGV[3] max_reserve_ms    (ms) longest wait a reservation may have
@@ -53,6 +55,7 @@ for i = 1, #KEYS / 3 do
   else
     if fails >= threshold then
       redis.call('HSET', breaker_key, 'probe_until', now + probe_ms)
+      redis.call('HINCRBY', breaker_key, 'probes', 1)
       probe = 1
     end
     if interval <= 0 then

@@ -134,10 +134,10 @@ class Parking:
             await parked.nudge(self.index, [rate_key])
         self._look_now.set()
 
-    async def look(self) -> int:
+    async def look(self, now_ms: int | None = None) -> int:
         """One look at the registry: release what the gates of the woken keys let through.
-        Returns how many occurrences were released."""
-        now, woken = await parked.wakes(self.index, WAKES_PER_LOOK)
+        Returns how many occurrences were released. (``now_ms``: the Redis clock; tests only.)"""
+        now, woken = await parked.wakes(self.index, WAKES_PER_LOOK, now_ms)
         if not woken:
             return 0
         by_key: dict[str, list[parked.Wake]] = defaultdict(list)
@@ -150,12 +150,18 @@ class Parking:
             found = by_key[name]
             limit = holds.parse_limit(found[0].limit)
             release = holds.decide(gate, limit, now, self.breaker_failures, self.window_ms)
-            shares = holds.share(release.count, [w.shard for w in found], next(self._turns))
+            shares = holds.shares(release, gate, [w.shard for w in found], next(self._turns))
             for wake in found:
                 items[wake.shard].append(
-                    parked.ToRelease(name, wake.wake_ms, shares[wake.shard], release.next_wake_ms)
+                    parked.ToRelease(
+                        name,
+                        wake.wake_ms,
+                        shares[wake.shard],
+                        release.next_wake_ms,
+                        probe=release.probe,
+                    )
                 )
-        results = await parked.unpark(self.index, dict(items), holds.SPREAD_MS)
+        results = await parked.unpark(self.index, dict(items), holds.SPREAD_MS, now_ms)
         released = sum(max(n, 0) for pairs in results.values() for n, _ in pairs)
         if released:
             metrics.RATE_RELEASED.inc(released)

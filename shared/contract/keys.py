@@ -108,6 +108,16 @@ class RedisKeys:
         behind one rate key."""
         return f"{self.prefix}:{{{shard}}}:pk:{rate_key}"
 
+    def probed_pattern(self, shard: int) -> str:
+        """A SCAN pattern of every ``probed`` set of the shard."""
+        return f"{self.prefix}:{{{shard}}}:pq:*"
+
+    def probed(self, shard: int, rate_key: str) -> str:
+        """ZSET schedule (``ns/id``) -> its turn: when each schedule of the shard parked behind
+        a rate key was last released as its probe (``lua/unpark.lua``): the next probe is one
+        never the probe, else the one whose turn is the oldest."""
+        return f"{self.prefix}:{{{shard}}}:pq:{rate_key}"
+
     def gone(self, shard: int) -> str:
         """HASH ``ns/id`` -> ``version|ms|kind``: tombstones of schedules deleted (``d``) or
         finished (``f``) at that version, so no write of an older one (a rebuild, a repair)

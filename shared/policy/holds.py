@@ -8,6 +8,11 @@ breaker is half-open and no probe is in flight; as many as the limit lets throug
 window for a limited key; and the rest in chunks for a key that is clear (``CHUNK`` a look
 over all shards together, so a breaker closing in front of 100,000 parked deliveries lets them
 through at a pace the executors can take, not all in one millisecond).
+
+Probes go round: the shard a probe comes from turns with the breaker's own count of probes
+(``shares``), and within a shard ``unpark.lua`` releases, as the probe, a schedule that has
+never been one, else the one that was one longest ago; so a failing schedule behind a key is
+the probe again only once every other schedule parked there has been one since.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ class Gate:
     hold_until: int
     #: GCRA's theoretical arrival time of the next slot (ms).
     tat: float
+    #: Probes the breaker has let through since it opened (``gate.lua``): the turn of the
+    #: shard the next one comes from, the same for every executor.
+    probes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,9 @@ class Release:
 
     count: int
     next_wake_ms: int
+    #: The one occurrence released is the half-open breaker's probe: ``unpark.lua`` takes it
+    #: from the schedule that has not been the probe for longest.
+    probe: bool = False
 
 
 def parse_limit(text: str) -> Limit:
@@ -89,7 +100,7 @@ def decide(gate: Gate, limit: Limit, now_ms: int, threshold: int, window_ms: int
     if gate.fails >= threshold:
         if gate.probe_until > now_ms:
             return Release(0, gate.probe_until)
-        return Release(1, now_ms + PROBE_LOOK_MS)
+        return Release(1, now_ms + PROBE_LOOK_MS, probe=True)
     if limit.interval_ms <= 0:
         return Release(CHUNK, now_ms + CHUNK_WAKE_MS)
     return Release(slots_within(gate.tat, limit, now_ms, window_ms), now_ms + window_ms)
@@ -114,13 +125,22 @@ def slots_within(tat: float, limit: Limit, now_ms: int, window_ms: int) -> int:
 
 def share(count: int, shards: Sequence[int], turn: int) -> dict[int, int]:
     """``count`` split between the shards that park the key, evenly, the remainder going to
-    shards in turn (``turn`` rotates it, so a probe does not always come from one shard)."""
+    shards in turn (``turn`` rotates it: see ``shares`` for a probe's)."""
     if not shards:
         return {}
     base, extra = divmod(count, len(shards))
     start = turn % len(shards)
     order = list(shards[start:]) + list(shards[:start])
     return {shard: base + (1 if i < extra else 0) for i, shard in enumerate(order)}
+
+
+def shares(release: Release, gate: Gate, shards: Sequence[int], turn: int) -> dict[int, int]:
+    """What each shard that parks the key releases of ``release``. A probe comes from the
+    shards in turn by the breaker's count of probes (``gate.probes``: one more per probe, the
+    same whichever executor looks), so successive probes come from each shard in turn and a
+    shard whose first parked schedule keeps failing takes one probe in ``len(shards)``.
+    Anything else rotates its remainder by the executor's own ``turn``."""
+    return share(release.count, shards, gate.probes if release.probe else turn)
 
 
 def safety_ms_of(member: str, safety_ms: int) -> int:

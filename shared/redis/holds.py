@@ -44,6 +44,9 @@ class ToRelease:
     seen_wake_ms: int
     count: int
     next_wake_ms: int
+    #: The one released is the half-open breaker's probe: unpark.lua takes it from a schedule
+    #: that has not been the key's probe for longest.
+    probe: bool = False
 
 
 def _text(value: Any) -> str:
@@ -109,14 +112,14 @@ async def gates_at(index: Index, rate_keys: Sequence[str]) -> tuple[int, list[Ga
     pipe.time()
     for rate_key in rate_keys:
         tat, hold, breaker = index.keys.rate(rate_key)
-        pipe.hmget(breaker, ["fails", "open_until", "probe_until"])
+        pipe.hmget(breaker, ["fails", "open_until", "probe_until", "probes"])
         pipe.get(hold)
         pipe.get(tat)
     clock, *replies = await pipe.execute()
     now = int(clock[0]) * 1000 + int(clock[1]) // 1000
     found = []
     for i in range(0, len(replies), 3):
-        (fails, open_until, probe_until), held, tat = replies[i : i + 3]
+        (fails, open_until, probe_until, probes), held, tat = replies[i : i + 3]
         found.append(
             Gate(
                 int(fails or 0),
@@ -124,6 +127,7 @@ async def gates_at(index: Index, rate_keys: Sequence[str]) -> tuple[int, list[Ga
                 int(float(probe_until or 0)),
                 int(float(held or 0)),
                 float(tat or 0),
+                int(probes or 0),
             )
         )
     return now, found
@@ -144,11 +148,11 @@ async def unpark(
             index.keys.parked(shard),
             index.keys.parked_rates(shard),
             index.keys.parked_marks(shard),
-            *[index.keys.parked_on(shard, r.rate_key) for r in batch],
         ]
         args: list[Any] = ["" if now_ms is None else now_ms, spread_ms]
         for r in batch:
-            args += [r.rate_key, r.seen_wake_ms, r.count, r.next_wake_ms]
+            keys += [index.keys.parked_on(shard, r.rate_key), index.keys.probed(shard, r.rate_key)]
+            args += [r.rate_key, r.seen_wake_ms, r.count, r.next_wake_ms, int(r.probe)]
         calls.append(("unpark", keys, args))
     replies = await index.run(calls)
     return {

@@ -392,16 +392,19 @@ class Index:
                     "ahead",
                 )
             )
-            # The parked sets are one per rate key: found by name.
-            pattern = self.keys.parked_on_pattern(shard)
-            found: list[Any] = []
-            async for name in self.client.scan_iter(match=pattern, count=1000):
-                found.append(name)
-                if len(found) >= 1000:
+            # The parked sets and their probes' rounds are one per rate key: found by name.
+            for pattern in (
+                self.keys.parked_on_pattern(shard),
+                self.keys.probed_pattern(shard),
+            ):
+                found: list[Any] = []
+                async for name in self.client.scan_iter(match=pattern, count=1000):
+                    found.append(name)
+                    if len(found) >= 1000:
+                        await self.client.unlink(*found)
+                        found = []
+                if found:
                     await self.client.unlink(*found)
-                    found = []
-            if found:
-                await self.client.unlink(*found)
 
     # --- positions (invariant 9) ------------------------------------------------------------
 

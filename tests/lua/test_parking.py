@@ -189,12 +189,13 @@ async def test_pause_and_delete_take_the_parked_mark_with_them(index: Index) -> 
     assert await index.client.hlen(index.keys.parked_marks(0)) == 0
 
 
-async def test_wipe_drops_the_parked_sets_and_marks(index: Index) -> None:
+async def test_wipe_drops_the_parked_sets_marks_and_probe_turns(index: Index) -> None:
     for shard, member in ((0, "ns/a"), (1, "ns/b")):
         token = await claimed_token(index, shard, member, NOW)
         await holds.park(
             index, {shard: [ToPark(member, token, KEY, NOW + 1000, LIMIT)]}, SAFETY, now_ms=NOW
         )
+        await index.client.zadd(index.keys.probed(shard, KEY), {member: 1})
     await index.wipe()
     left = [
         k.decode() if isinstance(k, bytes) else k

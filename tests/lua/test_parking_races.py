@@ -127,7 +127,10 @@ async def test_every_call_touches_one_hash_slot(index: Index) -> None:
         await add(index, shard, member, NOW, version=2, mode="keep")
         await holds.wakes(index, 10, now_ms=NOW + 1000)
         await holds.unpark(
-            index, {shard: [ToRelease(KEY, NOW + 1000, 1, NOW + 2000)]}, 0, now_ms=NOW + 1000
+            index,
+            {shard: [ToRelease(KEY, NOW + 1000, 1, NOW + 2000, probe=True)]},
+            0,
+            now_ms=NOW + 1000,
         )
         await index.remove({shard: [(member, None)]}, now_ms=NOW)
     names = {name for name, _ in seen}

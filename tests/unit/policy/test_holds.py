@@ -26,7 +26,7 @@ def test_a_retry_after_hold_or_an_open_breaker_releases_nothing_until_it_ends() 
 
 
 def test_a_half_open_breaker_releases_one_probe_then_waits_for_it() -> None:
-    assert decide(Gate(25, NOW - 1, 0, 0, 0.0)) == Release(1, NOW + holds.PROBE_LOOK_MS)
+    assert decide(Gate(25, NOW - 1, 0, 0, 0.0)) == Release(1, NOW + holds.PROBE_LOOK_MS, True)
     assert decide(Gate(25, NOW - 1, NOW + 15_000, 0, 0.0)) == Release(0, NOW + 15_000)
 
 
@@ -42,6 +42,47 @@ def test_a_clear_key_releases_one_chunk_a_look_whatever_the_shards(shards: list[
     # through over all the shards that park them (not a chunk in each).
     release = decide(CLEAR)
     assert sum(holds.share(release.count, shards, 0).values()) == holds.CHUNK
+
+
+def test_only_a_half_open_breaker_releases_a_probe() -> None:
+    limited = Limit(200.0, 1)
+    assert decide(Gate(25, NOW - 1, 0, 0, 0.0), limited).probe  # one, and it is the probe
+    for gate in (CLEAR, Gate(3, 0, 0, 0, 0.0), Gate(25, NOW + 1, 0, 0, 0.0)):
+        assert not decide(gate).probe and not decide(gate, limited).probe
+
+
+@given(
+    shards=st.lists(st.integers(0, 1023), min_size=1, max_size=64, unique=True),
+    probes=st.integers(0, 10**6),
+    turn=st.integers(0, 10**6),
+)
+def test_successive_probes_come_from_each_shard_in_turn(
+    shards: list[int], probes: int, turn: int
+) -> None:
+    # Whatever executor looks and however often (its own turn), the breaker's count of probes
+    # picks the shard: as many successive probes as shards take one from each.
+    probe = Release(1, NOW + holds.PROBE_LOOK_MS, True)
+    chosen = []
+    for n in range(probes, probes + len(shards)):
+        found = holds.shares(probe, Gate(25, NOW - 1, 0, 0, 0.0, n), shards, turn + 7 * n)
+        assert sum(found.values()) == 1 and set(found) == set(shards)
+        chosen += [shard for shard, count in found.items() if count]
+    assert sorted(chosen) == sorted(shards)
+
+
+@given(
+    shards=st.lists(st.integers(0, 1023), min_size=1, max_size=64, unique=True),
+    count=st.integers(0, 5000),
+    probes=st.integers(0, 100),
+    turn=st.integers(0, 10**6),
+)
+def test_other_releases_are_shared_by_the_executors_turn(
+    shards: list[int], count: int, probes: int, turn: int
+) -> None:
+    release = Release(count, NOW + 250)
+    gate = Gate(3, 0, 0, 0, 0.0, probes)
+    assert holds.shares(release, gate, shards, turn) == holds.share(count, shards, turn)
+    assert sum(holds.shares(release, gate, shards, turn).values()) == count
 
 
 def test_a_limited_key_releases_the_slots_of_the_next_window() -> None:
