@@ -165,3 +165,18 @@ async def test_a_release_that_is_not_a_probe_keeps_the_parked_order(index: Index
     release = ToRelease(KEY, NOW + 1000, 1, NOW + 3000)
     assert await parked.unpark(index, {0: [release]}, 0, now_ms=NOW + 1000) == {0: [(1, 1)]}
     assert await released_at(index, {0}, NOW + 1000) == [(0, a)]
+
+
+async def test_turns_are_the_schedules_not_their_occurrences(index: Index) -> None:
+    # A schedule's backfill occurrence (``ns/id#b``) shares its schedule's turn: once the
+    # schedule was the probe, another schedule's occurrence is the next one.
+    client, deadline = index.client, NOW + SAFETY
+    for i, member in enumerate(("acme/a", "acme/a#b", "acme/c")):
+        await client.zadd(index.keys.parked_on(0, KEY), {member: deadline + i})
+        await client.zadd(index.keys.due(0), {member: deadline + i})
+        await client.hset(index.keys.occ(0), member, f"{NOW}|1||0|c")
+    await client.zadd(index.keys.parked(0), {KEY: NOW})
+    await client.zadd(index.keys.probed(0, KEY), {"acme/a": 1})
+    probe = ToRelease(KEY, NOW, 1, NOW + holds.PROBE_LOOK_MS, probe=True)
+    assert await parked.unpark(index, {0: [probe]}, 0, now_ms=NOW) == {0: [(1, 2)]}
+    assert await released_at(index, {0}, NOW) == [(0, "acme/c")]
