@@ -136,6 +136,16 @@ def fires_text(schedule: StoredSchedule) -> str:
     return str(schedule.stats.fires if schedule.stats is not None else schedule.fires)
 
 
+def fires_detail(schedule: StoredSchedule) -> str:
+    """``get``'s fires: every occurrence started (``stats.fires``), and the rotation's regular
+    count beside it when that differs, named for what it is: a trigger made the reply's
+    ``schedule.fires`` read 0 where ``get`` said 1, with nothing to tell the two apart."""
+    shown = fires_text(schedule)
+    if schedule.stats is None or schedule.stats.fires == schedule.fires:
+        return shown
+    return f"{shown} ({schedule.fires} regular in the current rotation, which max_fires counts)"
+
+
 def schedules_table(schedules: Sequence[StoredSchedule], *, wide: bool) -> Table:
     headers = ["ID", "STATE", "SCHEDULE", "NEXT FIRE", "LAST", "FIRES"]
     if wide:
@@ -175,7 +185,7 @@ def schedule_table(s: StoredSchedule, *, wide: bool) -> Table:
         ("spec", spec_text(s.spec)),
         ("target", target_text(s.target)),
         ("next fires", "\n".join(instant(t) for t in s.next_fires) or "-"),
-        ("fires", fires_text(s)),
+        ("fires", fires_detail(s)),
         ("last", last_text(s)),
         ("labels", labels_text(s.labels)),
     ]

@@ -34,14 +34,24 @@ RATE_MINUTES = 5
 
 @dataclass(frozen=True, slots=True)
 class Rates:
-    """A namespace's deliveries: per minute over the last RATE_MINUTES whole minutes (the
-    current one left out), and the last hour's."""
+    """A namespace's deliveries: per minute over the last RATE_MINUTES whole minutes and the
+    current one so far (or since the minute its deliveries began, when that is later; None
+    until a minute of them is recorded), and the last hour's."""
 
-    fires_per_min: float = 0.0
-    failed_per_min: float = 0.0
+    fires_per_min: float | None = 0.0
+    failed_per_min: float | None = 0.0
     hour_fires: int = 0
     hour_failed: int = 0
     hour_dead: int = 0
+    #: What the per-minute rates are taken over (ms); None: no rate yet.
+    window_ms: int | None = RATE_MINUTES * 60_000
+
+    @property
+    def window(self) -> str:
+        """The rates' window as a person reads it (the cells' hover text)."""
+        if self.window_ms is None:
+            return "less than a minute of deliveries recorded yet: no rate"
+        return f"per minute over the last {views.duration_text(self.window_ms)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +98,11 @@ class Execution:
                 )
             )
         return found
+
+    @property
+    def error_text(self) -> str:
+        """The Error cell: this row's error, else its failed attempts' (a retried success)."""
+        return views.error_text(self.error, self.failed_attempts)
 
     @property
     def latency_ms(self) -> int | None:
@@ -215,6 +230,24 @@ def _execution(namespace: str, schedule_id: str, record: asyncpg.Record) -> Exec
     )
 
 
+def _rates(row: asyncpg.Record, now: dt.datetime) -> Rates:
+    now_ms = _ms(now)
+    first = row["first_minute"]
+    start = views.rate_window_start(now_ms, RATE_MINUTES, None if first is None else _ms(first))
+    return Rates(
+        views.per_minute(int(row["recent_fires"] or 0), start, now_ms),
+        views.per_minute(int(row["recent_failed"] or 0), start, now_ms),
+        int(row["hour_fires"] or 0),
+        int(row["hour_failed"] or 0),
+        int(row["hour_dead"] or 0),
+        None if start is None else now_ms - start,
+    )
+
+
+def _ms(at: dt.datetime) -> int:
+    return round(at.timestamp() * 1000)
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
     for kind in ("json", "jsonb"):
         await conn.set_type_codec(
@@ -263,20 +296,18 @@ class ReadModel:
             counts.setdefault(row["namespace"], {})[row["state"]] = row["schedules"]
         this_minute = now.replace(second=0, microsecond=0)
         recent = this_minute - dt.timedelta(minutes=RATE_MINUTES)
-        rates = {
-            row["namespace"]: Rates(
-                (row["recent_fires"] or 0) / RATE_MINUTES,
-                (row["recent_failed"] or 0) / RATE_MINUTES,
-                row["hour_fires"] or 0,
-                row["hour_failed"] or 0,
-                row["hour_dead"] or 0,
-            )
-            for row in await self.pool.fetch(
-                QUERIES["console_rates"], now - dt.timedelta(hours=1), recent, this_minute
-            )
-        }
+        rows = await self.pool.fetch(QUERIES["console_rates"], now - dt.timedelta(hours=1), recent)
+        rates = {row["namespace"]: _rates(row, now) for row in rows}
         names = sorted(set(counts) | set(rates))
         return [NamespaceSummary(n, counts.get(n, {}), rates.get(n, Rates())) for n in names]
+
+    async def namespace_known(self, namespace: str, now: dt.datetime) -> bool:
+        """Whether the home page lists the namespace: it has a schedule, or deliveries in the
+        last hour (its schedules deleted since)."""
+        known = await self.pool.fetchval(
+            QUERIES["console_namespace_known"], namespace, now - dt.timedelta(hours=1)
+        )
+        return bool(known)
 
     async def schedules(self, namespace: str, where: ScheduleFilter) -> list[ScheduleSummary]:
         low, high = views.prefix_bounds(where.search)

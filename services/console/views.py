@@ -100,6 +100,33 @@ class Attempt:
         return utc_text(dt.datetime.fromtimestamp(self.started_ms / 1000, dt.UTC))
 
 
+#: Failed attempts an Error cell names before it says how many more there were.
+ERRORS_SHOWN = 2
+
+
+def attempt_error(attempt: Attempt) -> str:
+    """What went wrong in one failed attempt: its error, else its HTTP status."""
+    if attempt.error:
+        return attempt.error
+    return f"HTTP {attempt.http_status}" if attempt.http_status is not None else "failed"
+
+
+def error_text(error: str | None, failed: Sequence[Attempt]) -> str:
+    """An execution's Error cell: the row's own error (its latest attempt's), else the failed
+    attempts before a success, first first (``attempt 1: HTTP 503``); empty when none failed.
+
+    A run that needed two attempts ended well, but what its first one met is what a person
+    looks for on a flaky schedule's page.
+    """
+    if error:
+        return error
+    said = [f"attempt {a.attempt}: {attempt_error(a)}" for a in failed[:ERRORS_SHOWN]]
+    more = len(failed) - ERRORS_SHOWN
+    if more > 0:
+        said.append(f"{more} more failed")
+    return "; ".join(said)
+
+
 def attempts_of(log: object) -> tuple[Attempt, ...]:
     """``executions.failed_attempts`` -> one Attempt per attempt number, oldest first (a
     redelivered attempt is logged twice; anything malformed is left out)."""
@@ -122,8 +149,38 @@ def attempts_of(log: object) -> tuple[Attempt, ...]:
     return tuple(found[n] for n in sorted(found))
 
 
-def rate_text(per_min: float) -> str:
-    """Deliveries per minute as a person reads them: ``0``, ``0.4/min``, ``12/min``, ``3.2/s``."""
+MINUTE_MS = 60_000
+#: The shortest stretch a rate is given over: over less, the first fire or two would read as a
+#: rate (or the lack of them as 0 beside "1 fire in the last hour").
+MIN_RATE_WINDOW_MS = MINUTE_MS
+
+
+def rate_window_start(now_ms: int, minutes: int, first_minute_ms: int | None) -> int | None:
+    """Where a namespace's per-minute rates start counting, up to now: ``minutes`` whole minutes
+    before the current one (which is counted so far, over the time it has run), or the start of
+    the namespace's first recorded minute (``first_minute_ms``) when its deliveries began since:
+    over a window it was not recorded in, a new namespace's rate read 0 beside its first fires.
+
+    None when that leaves less than MIN_RATE_WINDOW_MS: too short to say a rate ("—").
+    """
+    start = now_ms - now_ms % MINUTE_MS - minutes * MINUTE_MS
+    if first_minute_ms is not None:
+        start = max(start, first_minute_ms)
+    return start if now_ms - start >= MIN_RATE_WINDOW_MS else None
+
+
+def per_minute(count: int, start_ms: int | None, now_ms: int) -> float | None:
+    """``count`` deliveries since ``start_ms`` as a rate per minute; None without a window."""
+    if start_ms is None:
+        return None
+    return count * MINUTE_MS / max(now_ms - start_ms, 1)
+
+
+def rate_text(per_min: float | None) -> str:
+    """Deliveries per minute as a person reads them: ``0``, ``0.4/min``, ``12/min``, ``3.2/s``;
+    ``—`` for no rate yet (less than a minute recorded)."""
+    if per_min is None:
+        return "—"
     if per_min <= 0:
         return "0"
     if per_min >= 120:

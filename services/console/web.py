@@ -210,6 +210,16 @@ class Console:
 
     async def schedules(self, request: web.Request) -> web.Response:
         namespace, _ = self._path_ids(request)
+        if not await self.model.namespace_known(namespace, self.now()):
+            return self.render(
+                request,
+                "error.html",
+                404,
+                title="No such namespace",
+                message=f"There is no namespace {namespace!r}: no schedule in it (none was "
+                "created, or all were deleted) and no deliveries in the last hour. Namespaces "
+                "are named when a schedule is created in one.",
+            )
         query = request.query
         where = readmodel.ScheduleFilter(
             search=views.check_text("q", query.get("q", "").strip()),

@@ -83,7 +83,9 @@ class StoredSchedule(ScheduleDefinition):
     #: Raised by every change; an upsert's ``expected_version`` compares with it.
     version: int
     state: State
-    #: Regular fires of the current rotation.
+    #: Regular fires of the current rotation: what ``max_fires`` counts. Triggers and backfills
+    #: are not among them, and new fire times (rule, window, count, jitter) start it from 0;
+    #: ``stats.fires`` counts every occurrence started.
     fires: int
     last_fire_at: Instant | None
     #: The next nominal fire times (up to 5; none unless active).

@@ -5,6 +5,13 @@ FROM schedule_counts
 WHERE state <> 'deleted' AND schedules > 0
 ORDER BY namespace, state;
 
+-- console_namespace_known --
+-- Whether the home page lists a namespace: a schedule in it that is not deleted, or deliveries
+-- since $2 (an hour ago). Two primary-key lookups.
+SELECT EXISTS (SELECT 1 FROM schedule_counts
+               WHERE namespace = $1 AND state <> 'deleted' AND schedules > 0)
+    OR EXISTS (SELECT 1 FROM namespace_minutes WHERE namespace = $1 AND minute >= $2) AS known;
+
 -- console_schedules --
 -- A page of a namespace's live schedules in byte order of the id, between two bounds (a cursor
 -- and an id prefix), containing the labels; each with its latest execution.
@@ -79,16 +86,22 @@ ORDER BY finished_at DESC
 LIMIT $2;
 
 -- console_rates --
--- Deliveries per namespace (kept by the executors' audit writes): the last hour's since $1,
--- the recent whole minutes' from $2 up to $3 (the current minute is still filling: counting
--- it as a whole one read the rates low).
-SELECT namespace,
-       sum(fires) FILTER (WHERE minute >= $2 AND minute < $3) AS recent_fires,
-       sum(failed_attempts) FILTER (WHERE minute >= $2 AND minute < $3) AS recent_failed,
-       sum(fires) AS hour_fires, sum(failed_attempts) AS hour_failed, sum(dead) AS hour_dead
-FROM namespace_minutes
-WHERE minute >= $1
-GROUP BY namespace;
+-- Deliveries per namespace (kept by the executors' audit writes): the last hour's since $1, the
+-- recent ones since $2 (whole minutes before the current one, which counts so far), and the
+-- namespace's first recorded minute, from which its rates are taken when it is later than $2
+-- (services.console.views.rate_window_start). One primary-key lookup per namespace.
+WITH hour AS (
+    SELECT namespace, minute, fires, failed_attempts, dead FROM namespace_minutes
+    WHERE minute >= $1
+)
+SELECT h.namespace,
+       (SELECT min(x.minute) FROM namespace_minutes x WHERE x.namespace = h.namespace)
+           AS first_minute,
+       sum(h.fires) FILTER (WHERE h.minute >= $2) AS recent_fires,
+       sum(h.failed_attempts) FILTER (WHERE h.minute >= $2) AS recent_failed,
+       sum(h.fires) AS hour_fires, sum(h.failed_attempts) AS hour_failed, sum(h.dead) AS hour_dead
+FROM hour AS h
+GROUP BY h.namespace;
 
 -- console_commands --
 -- The latest commands that named a schedule to change it (the audit, reads left out), newest

@@ -190,3 +190,35 @@ def test_executions_refuses_a_limit_or_interval_that_cannot_work() -> None:
         assert usage.value.code == 2
     args = parser.parse_args(["executions", "x", "--limit", "5", "--interval", "0.5"])
     assert (args.limit, args.interval) == (5, 0.5)
+
+
+def test_get_names_the_rotations_regular_fires_beside_every_fire() -> None:
+    """Issue 36, newcomer 5: after a trigger the reply's schedule.fires said 0 and get said 1,
+    nothing telling the two counts apart."""
+    stats = {
+        "fires": 1,
+        "succeeded": 1,
+        "failed": 0,
+        "dead": 0,
+        "skipped": 0,
+        "excluded": 0,
+        "consecutive_failures": 0,
+        "last_status": "succeeded",
+        "last_error": None,
+        "last_fire_at": NOW,
+    }
+    triggered = stored("nightly", {"kind": "interval", "every_s": 3600}, fires=0, stats=stats)
+    lines = printed(output.schedule_table(triggered, wide=False))
+    (fires,) = [line for line in lines if line.startswith("fires")]
+    assert fires.split(None, 1)[1] == (
+        "1 (0 regular in the current rotation, which max_fires counts)"
+    )
+    # The same counts: one number, as before; and list's FIRES column is every fire.
+    regular = stored("nightly", {"kind": "interval", "every_s": 3600}, fires=1, stats=stats)
+    (fires,) = [
+        line
+        for line in printed(output.schedule_table(regular, wide=False))
+        if line.startswith("fires")
+    ]
+    assert fires.split() == ["fires", "1"]
+    assert output.fires_text(triggered) == "1"

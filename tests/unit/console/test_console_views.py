@@ -146,3 +146,43 @@ def test_attempt_logs_keep_one_entry_per_attempt_in_order() -> None:
 
 def test_rates_read_as_a_person_says_them() -> None:
     assert [views.rate_text(r) for r in (0, 0.2, 12, 600)] == ["0", "0.2/min", "12/min", "10.0/s"]
+
+
+MINUTE = 60_000
+
+
+@given(
+    now=st.integers(10**12, 2 * 10**12),
+    first_ago=st.none() | st.integers(0, 24 * 60 * MINUTE),
+)
+def test_a_rate_window_is_a_minute_or_more_of_what_was_recorded(
+    now: int, first_ago: int | None
+) -> None:
+    first = None if first_ago is None else (now - first_ago) - (now - first_ago) % MINUTE
+    start = views.rate_window_start(now, 5, first)
+    five = now - now % MINUTE - 5 * MINUTE
+    if start is None:
+        # Only a namespace recorded for less than a minute has no rate.
+        assert first is not None and now - first < MINUTE
+    else:
+        assert now - start >= MINUTE and five <= start
+        assert first is None or start >= first  # never over time before it was recorded
+        assert start == max(five, first if first is not None else five)
+
+
+def test_rates_read_as_counted_over_their_window() -> None:
+    assert views.per_minute(140, 0, 140_000) == 60
+    assert views.per_minute(3, None, 10) is None
+    assert views.rate_text(None) == "—"
+
+
+def test_an_error_cell_names_the_failed_attempts_before_a_success() -> None:
+    first = views.Attempt(1, 503, None, 0, 40)
+    second = views.Attempt(2, None, "timeout", 1000, 11000)
+    third = views.Attempt(3, 500, "HTTP 500", 3000, 3040)
+    assert views.error_text(None, ()) == ""
+    assert views.error_text("HTTP 502", (first,)) == "HTTP 502"  # the row's own error
+    assert views.error_text(None, (first,)) == "attempt 1: HTTP 503"
+    assert views.error_text(None, (first, second, third)) == (
+        "attempt 1: HTTP 503; attempt 2: timeout; 1 more failed"
+    )
