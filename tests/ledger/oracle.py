@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from shared.contract import keys
 from shared.rules import schedule
 from shared.rules.plan import AfterCompletionRule, OnceRule, Plan, WebhookPlan
-from tests.ledger import owed
+from tests.ledger import gaps, owed
 
 #: A first attempt later than this (ms) from its due time marks a backlog window.
 LATE_MS = 500
@@ -342,6 +342,9 @@ class Context:
     #: answered. Attempted, so not lost, but never at a sink: only while a fault of its own
     #: host (a host down) was under way (``unreached_then``); otherwise it is a loss.
     unreached: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    #: (schedule, nominal) -> the Redis time at which an executor skipped it as missed (its
+    #: ``skipped`` execution row): the moment the misfire policy judged it.
+    skipped: Mapping[tuple[str, int], int] = field(default_factory=dict)
 
     def unreached_then(self, member: str, nominal: int, url: str) -> bool:
         """Ended dead with no answer while a fault scoped to its host was under way."""
@@ -454,6 +457,7 @@ def judge(
     fault_before_ms: int = 2000,
     fault_after_ms: int = 6000,
     unreached: Mapping[tuple[str, int], int] | None = None,
+    skipped: Mapping[tuple[str, int], int] | None = None,
 ) -> Verdict:
     """The ledger: every schedule's occurrences judged against what the sink received."""
     occurrences = group(requests)
@@ -466,6 +470,7 @@ def judge(
         {s: fault_windows(faults, fault_before_ms, fault_after_ms, s) for s in scopes},
         {s: backlog_windows((d, a) for d, a, url in late if url.startswith(s)) for s in scopes},
         unreached or {},
+        skipped or {},
     )
     verdict = Verdict()
     by_schedule: dict[str, list[tuple[tuple[str, bool, int], Occurrence]]] = defaultdict(list)
@@ -544,6 +549,8 @@ def _judge_grid(
         _account(timeline, verdict, ctx, label, verdict_class, due, nominal, occurrence)
     _check_catch_ups(timeline, regular, classes, ctx, verdict, label)
     _check_choices(timeline, regular, classes, ctx, verdict, label)
+    _check_gaps(timeline, regular, classes, ctx, verdict, label)
+    _check_skipped(timeline, regular, classes, ctx, verdict, label)
     for nominal, occurrence in regular.items():
         if nominal not in classes:
             _unexpected(
@@ -676,6 +683,125 @@ def _check_choices(
             )
 
 
+def _check_gaps(
+    timeline: Timeline,
+    regular: dict[int, Occurrence],
+    classes: dict[int, tuple[str, int, Plan]],
+    ctx: Context,
+    verdict: Verdict,
+    label: str,
+) -> None:
+    """Between two deliveries of a rotation (``tests.ledger.gaps``): no time passed over that
+    was still on time when the choice was made at the latest (lost, whatever the fault), and
+    under ``fire_all`` no more than ``limit`` missed times replayed, none older than
+    ``window`` (unexpected)."""
+    delivered = sorted(n for n in regular if n in classes)
+    for before, after in itertools.pairwise(delivered):
+        rotation_index, plan = classes[before][1], classes[before][2]
+        if classes[after][1] != rotation_index:
+            continue
+        ended = regular[before].episodes()[0][1]
+        arrival = regular[after].first_arrival
+        if arrival < regular[before].first_arrival or _paused_between(timeline, ended, arrival):
+            continue
+        same = [n for n in sorted(classes) if classes[n][1] == rotation_index]
+        _check_jumped(timeline, regular, classes, ctx, verdict, label, same, before, after)
+        if plan.misfire.policy == "fire_all":
+            _check_replays(timeline, regular[after], plan, ctx, verdict, label, same, after, ended)
+
+
+def _check_skipped(
+    timeline: Timeline,
+    regular: dict[int, Occurrence],
+    classes: dict[int, tuple[str, int, Plan]],
+    ctx: Context,
+    verdict: Verdict,
+    label: str,
+) -> None:
+    """An occurrence an executor skipped as missed must have been missed then: its due time
+    more than the grace before the Redis time of the judgement. One skipped while still on
+    time is lost (a required one is already counted lost where it is accounted)."""
+    for nominal, (verdict_class, _, plan) in classes.items():
+        decided = ctx.skipped.get((timeline.member, nominal))
+        if decided is None or nominal in regular or verdict_class not in (DISTURBED, ALLOWED):
+            continue
+        due = schedule.fire_at_ms(plan, timeline.member, nominal)
+        if not gaps.skipped_on_time(due, decided, plan.misfire.grace_ms, CHOICE_SLACK_MS):
+            continue
+        row = verdict.row(label, ctx.fault_of(due, timeline.url))
+        row.expected += 1
+        row.lost += 1
+        verdict.findings.append(
+            f"lost {timeline.member}@{nominal} (due {due}): skipped as missed at {decided}, "
+            f"within its grace of {plan.misfire.grace_ms} ms"
+        )
+
+
+def _check_jumped(
+    timeline: Timeline,
+    regular: dict[int, Occurrence],
+    classes: dict[int, tuple[str, int, Plan]],
+    ctx: Context,
+    verdict: Verdict,
+    label: str,
+    same: list[int],
+    before: int,
+    after: int,
+) -> None:
+    plan = classes[before][2]
+    gap = [
+        (n, schedule.fire_at_ms(plan, timeline.member, n))
+        for n in same
+        if before < n < after
+        and classes[n][0] == DISTURBED
+        and not ctx.unreached_then(timeline.member, n, timeline.url)
+    ]
+    arrival = regular[after].first_arrival
+    for nominal in gaps.jumped_on_time(gap, arrival, plan.misfire.grace_ms, CHOICE_SLACK_MS):
+        due = schedule.fire_at_ms(plan, timeline.member, nominal)
+        row = verdict.row(label, ctx.fault_of(due, timeline.url))
+        row.expected += 1
+        row.lost += 1
+        verdict.findings.append(
+            f"lost {timeline.member}@{nominal} (due {due}): passed over for {after}, first "
+            f"at a sink at {arrival:.0f}, while it was still on time"
+        )
+
+
+def _check_replays(
+    timeline: Timeline,
+    chosen: Occurrence,
+    plan: Plan,
+    ctx: Context,
+    verdict: Verdict,
+    label: str,
+    same: list[int],
+    after: int,
+    ended: float,
+) -> None:
+    misfire = plan.misfire
+    from_chosen = [schedule.fire_at_ms(plan, timeline.member, n) for n in same if n >= after]
+    replayed = gaps.replayed_past_limit(from_chosen, ended, misfire.grace_ms, CHOICE_SLACK_MS)
+    if replayed > misfire.limit:
+        _unexpected(
+            verdict,
+            label,
+            ctx,
+            chosen,
+            f"fire_all {timeline.member}@{after}: chosen with {replayed} missed times from it "
+            f"on when the one before ended at {ended:.0f}, over its limit {misfire.limit}",
+        )
+    elif gaps.older_than_window(from_chosen[0], ended, misfire.window_ms, CHOICE_SLACK_MS):
+        _unexpected(
+            verdict,
+            label,
+            ctx,
+            chosen,
+            f"fire_all {timeline.member}@{after}: due at {from_chosen[0]}, out of its window "
+            f"({misfire.window_ms} ms) when the one before ended at {ended:.0f}",
+        )
+
+
 def _paused_between(timeline: Timeline, start: float, end: float) -> bool:
     """A pause (to its resume's reply) overlapping [start, end]: the resume chose again."""
     for pause in timeline.pauses:
@@ -719,6 +845,10 @@ def _account(
         _unexpected(verdict, label, ctx, occurrence, f"forbidden {name}")
         return
     row.delivered += 1
+    if verdict_class == DISTURBED and label == "skip":
+        # Chosen on time (``_check_choices`` holds that): under a fault, skip owes what was on
+        # time, these and those it passed over on time (``_check_gaps``, ``_check_skipped``).
+        row.expected += 1
     row.lateness_ms.append(max(0.0, occurrence.first_arrival - due))
     _count_copies(verdict, ctx, label, occurrence, name, timeline, nominal, trigger_key=None)
 

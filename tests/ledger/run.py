@@ -23,6 +23,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import asyncpg
+
 from cronbus.cli.sink import Sink
 from shared.contract import codec, keys, timefmt
 from shared.rules import schedule
@@ -302,7 +304,9 @@ class Ledger:
         plan = rotation.plan
         return f"{plan.rule} misfire={plan.misfire.policy} jitter_ms={plan.jitter_ms}"
 
-    def judge(self, horizon: int) -> oracle.Verdict:
+    def judge(
+        self, horizon: int, skipped: dict[tuple[str, int], int] | None = None
+    ) -> oracle.Verdict:
         timelines = [t for m, t in self.timelines.items() if m not in self.excluded]
         return oracle.judge(
             timelines,
@@ -310,6 +314,7 @@ class Ledger:
             self.applied,
             horizon,
             unreached=unreached_occurrences(self.stack.logs),
+            skipped=skipped,
         )
 
     async def drain_and_judge(self, horizon: int, timeout_s: float = 45) -> oracle.Verdict:
@@ -321,7 +326,31 @@ class Ledger:
                 break
             await asyncio.sleep(2)
         await asyncio.sleep(3)
-        return self.judge(horizon)
+        skipped = await skipped_occurrences(self.env["CRONBUS_DATABASE_URL"])
+        return self.judge(horizon, skipped)
+
+
+async def skipped_occurrences(database_url: str) -> dict[tuple[str, int], int]:
+    """(schedule, nominal) -> the Redis time (epoch ms) at which an executor skipped it as
+    missed, from the ``skipped`` execution rows in the run's PostgreSQL."""
+    connection = await asyncpg.connect(database_url)
+    try:
+        rows = await connection.fetch(
+            "SELECT namespace, id, nominal_at, finished_at FROM executions"
+            " WHERE status = 'skipped' AND NOT is_trigger"
+        )
+    finally:
+        await connection.close()
+    return {
+        (keys.member(row["namespace"], row["id"]), _epoch_ms(row["nominal_at"])): _epoch_ms(
+            row["finished_at"]
+        )
+        for row in rows
+    }
+
+
+def _epoch_ms(moment: datetime) -> int:
+    return round(moment.timestamp() * 1000)
 
 
 def unreached_occurrences(logs: Path) -> dict[tuple[str, int], int]:

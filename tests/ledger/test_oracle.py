@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from tests.ledger import mix, oracle
 NS = "ledger"
 T0 = 1_800_000_000_000  # a whole second, 2027-01-15
 SLACK = 10
+URL = "http://127.0.0.1:1/fast/s"
 
 
 def plan(spec: dict[str, Any], policy: str = "fire_all", jitter_s: float = 0) -> Any:
@@ -22,7 +24,7 @@ def plan(spec: dict[str, Any], policy: str = "fire_all", jitter_s: float = 0) ->
         {
             "id": "s",
             "spec": spec,
-            "target": {"kind": "webhook", "url": "http://127.0.0.1:1/fast/s"},
+            "target": {"kind": "webhook", "url": URL},
             "misfire": mix.POLICIES[policy],
             "jitter_s": jitter_s,
         }
@@ -532,3 +534,119 @@ def test_fire_once_times_on_time_after_the_fault_are_no_catch_up() -> None:
     assert verdict.total("lost") == 1, verdict.findings
     caught_up = [*dropped, request(T0 + 8000, T0 + 9500)]
     assert oracle.judge([t], caught_up, [fault], horizon).total("lost") == 0
+
+
+def _late_end_then(
+    t: oracle.Timeline, fault: oracle.Fault, horizon: int, ended_ms: int, replayed: list[int]
+) -> list[oracle.Request]:
+    """On time outside the fault's window; the last delivery before it ends at ``ended_ms``;
+    then ``replayed`` (nominal times of the window) delivered one after the other."""
+    window = oracle.fault_windows([fault], 2000, 6000).spans[0]
+    outside = [r for r in on_time(t, horizon) if not window[0] <= r.fire_time_ms <= window[1]]
+    before = [r for r in outside if r.fire_time_ms < window[0]]
+    after = [r for r in outside if r.fire_time_ms > window[0]]
+    ended = dataclasses.replace(before[-1], answered_ms=ended_ms)
+    late = [request(n, ended_ms + 100 * (i + 1)) for i, n in enumerate(replayed)]
+    return [*before[:-1], ended, *late, *after]
+
+
+def test_a_fire_all_replaying_more_than_its_limit_is_unexpected() -> None:
+    """Issue 34: a broken fire_all limit is caught. The delivery before the fault ended at
+    14 s: 4, 6, 8, 10 and 12 s were missed then (grace 1 s), and the mix's limit is 1, so
+    only 12 s may be replayed; replaying from 4 s on is five, over the limit."""
+    fault = oracle.Fault("kill9-executor", T0 + 6000, T0 + 9000)
+    horizon = T0 + 40_000
+    t = timeline(plan(EVERY_2S, "fire_all(limit)"))
+    kept = _late_end_then(t, fault, horizon, T0 + 14_000, [T0 + 12_000, T0 + 14_000])
+    verdict = oracle.judge([t], kept, [fault], horizon)
+    assert verdict.total("unexpected") == verdict.total("lost") == 0, verdict.findings
+    every = [T0 + n for n in range(4000, 16_000, 2000)]
+    broken = oracle.judge(
+        [t], _late_end_then(t, fault, horizon, T0 + 14_000, every), [fault], horizon
+    )
+    assert broken.total("unexpected") >= 1
+    assert any("over its limit 1" in f for f in broken.findings), broken.findings
+
+
+def test_a_fire_all_replaying_a_time_older_than_its_window_is_unexpected() -> None:
+    """A fire_all with a 30 s window (and a limit of 100): a delivery that ended 44 s in may
+    replay the missed times of the last 30 s, never one due 38 s before."""
+    fault = oracle.Fault("kill9-executor", T0 + 6000, T0 + 9000)
+    horizon = T0 + 80_000
+    windowed = {"policy": "fire_all", "window_s": 30, "limit": 100}
+    body = {"id": "s", "spec": EVERY_2S, "target": {"kind": "webhook", "url": URL}}
+    t = timeline(mix.plan_of_body({**body, "misfire": windowed}))
+    window = oracle.fault_windows([fault], 2000, 6000).spans[0]
+    outside = [r for r in on_time(t, horizon) if not window[0] <= r.fire_time_ms <= window[1]]
+    before = [r for r in outside if r.fire_time_ms < window[0]]
+    ended = dataclasses.replace(before[-1], answered_ms=T0 + 44_000)
+    rest = [r for r in outside if r.fire_time_ms > T0 + 44_000]
+    recent = [*before[:-1], ended, request(T0 + 16_000, T0 + 44_100), *rest]
+    assert oracle.judge([t], recent, [fault], horizon).total("unexpected") == 0
+    old = [*before[:-1], ended, request(T0 + 6000, T0 + 44_100), *rest]
+    verdict = oracle.judge([t], old, [fault], horizon)
+    assert any("out of its window" in f for f in verdict.findings), verdict.findings
+
+
+def test_an_occurrence_skipped_while_still_on_time_is_lost_under_any_fault() -> None:
+    """Issue 34: what skip owes under a fault is what was on time. An executor skipped 6 s
+    as missed; its skipped row says when (the Redis clock). At 6.5 s it was within its grace
+    (1 s): lost, whatever the fault. At 7.5 s it was missed: allowed."""
+    fault = oracle.Fault("kill9-executor", T0 + 6000, T0 + 9000)
+    horizon = T0 + 30_000
+    t = timeline(plan(EVERY_2S, "skip"))
+    dropped = on_time(t, horizon, frozenset({T0 + 6000}))
+    on_time_then = {(t.member, T0 + 6000): T0 + 6500}
+    verdict = oracle.judge([t], dropped, [fault], horizon, skipped=on_time_then)
+    assert verdict.total("lost") == 1, verdict.findings
+    assert any("skipped as missed" in f for f in verdict.findings)
+    missed_then = {(t.member, T0 + 6000): T0 + 7500}
+    assert oracle.judge([t], dropped, [fault], horizon, skipped=missed_then).total("lost") == 0
+
+
+def test_skipping_by_the_nominal_time_instead_of_the_due_time_is_caught() -> None:
+    """The first wave's hole: skip with jitter judged lateness from the nominal time. An
+    occurrence whose jitter puts its due time 2.5 s after its nominal time, skipped 1.5 s after
+    its nominal time, was not missed (due 1 s later): lost."""
+    p = plan({"kind": "interval", "every_s": 4}, "skip", jitter_s=3)
+    t = timeline(p)
+    horizon = T0 + 60_000
+    late_jitter = next(
+        n
+        for n in oracle.candidates(p, T0 + 8000, horizon)
+        if schedule.jitter_offset_ms(p, t.member, n) >= 2500
+    )
+    fault = oracle.Fault("overload", late_jitter - 3000, late_jitter + 3000)
+    dropped = on_time(t, horizon, frozenset({late_jitter}))
+    by_nominal = {(t.member, late_jitter): late_jitter + 1500}
+    verdict = oracle.judge([t], dropped, [fault], horizon, skipped=by_nominal)
+    assert verdict.total("lost") == 1, verdict.findings
+
+
+def test_skip_under_a_fault_owes_what_it_delivered_on_time() -> None:
+    """The skip row of a fault is no longer 0 expected: the times of the fault's window it
+    delivered (chosen on time) are owed, and counted."""
+    fault = oracle.Fault("kill9-executor", T0 + 6000, T0 + 9000)
+    horizon = T0 + 30_000
+    t = timeline(plan(EVERY_2S, "skip"))
+    delivered = on_time(t, horizon, frozenset({T0 + 6000}))
+    verdict = oracle.judge([t], delivered, [fault], horizon)
+    row = verdict.rows[("skip", "kill9-executor")]
+    assert row.expected == row.delivered > 0 and row.lost == 0
+
+
+def test_a_time_passed_over_while_still_on_time_is_lost() -> None:
+    """Whatever the decision's moment, it came before the chosen one's first arrival: a time
+    passed over whose due time was still within the grace then was on time, and owed. With
+    a jitter (3 s) above the interval (2 s), a time can be due after the next one."""
+    p = plan(EVERY_2S, "skip", jitter_s=3)
+    t = timeline(p)
+    horizon = T0 + 60_000
+    nominals = oracle.candidates(p, T0 + 8000, horizon)
+    due = {n: schedule.fire_at_ms(p, t.member, n) for n in nominals}
+    jumped, chosen = next((a, b) for a, b in itertools.pairwise(nominals) if due[a] >= due[b] + 200)
+    fault = oracle.Fault("overload", jumped - 1000, chosen + 1000)
+    delivered = on_time(t, horizon, frozenset({jumped}))
+    verdict = oracle.judge([t], delivered, [fault], horizon)
+    assert verdict.total("lost") == 1, verdict.findings
+    assert any("passed over" in f for f in verdict.findings)
