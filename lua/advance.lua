@@ -16,35 +16,6 @@
 
   Returns the shard's position after the call.
 ]]
-local pos_key, ahead_key = KEYS[1], KEYS[2]
-local mode, position = ARGV[1], tonumber(ARGV[2])
-local held = redis.call('GET', pos_key)
-local current = tonumber(held or '0')
+--!include lib/position.lua
 
-if mode == 'note' then
-  if position > current + 1 then
-    redis.call('ZADD', ahead_key, position, position)
-    return current
-  end
-  current = math.max(current, position)
-elseif mode == 'floor' or (mode == 'start' and not held) then
-  current = math.max(current, position)
-end
-
--- Positions waiting past the gap that is now closed move the position on.
-local waiting = redis.call('ZRANGEBYSCORE', ahead_key, '-inf', '+inf')
-for _, value in ipairs(waiting) do
-  local next_one = tonumber(value)
-  if next_one <= current then
-    redis.call('ZREM', ahead_key, value)
-  elseif next_one == current + 1 then
-    current = next_one
-    redis.call('ZREM', ahead_key, value)
-  else
-    break
-  end
-end
-if held == false or tonumber(held) ~= current then
-  redis.call('SET', pos_key, string.format('%d', current))
-end
-return current
+return position_advance(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]))

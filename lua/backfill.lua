@@ -16,22 +16,41 @@
   KEYS[2] lease  ZSET  member -> lease deadline (ms)
   KEYS[3] occ    HASH  member -> "nominal|attempt|token|generation" for ns/id#b
   KEYS[4] bf     HASH  ns/id  -> "generation|to_ms|remaining|start|paused"
+  KEYS[5] pos    STRING the shard's position (advance.lua)
+  KEYS[6] ahead  ZSET   positions applied past a gap (advance.lua)
   ARGV[1] member     (ns/id) the schedule
   ARGV[2] generation (count) newer for every backfill command of the schedule
   ARGV[3] to_ms      (ms) end of the backfill, exclusive
   ARGV[4] remaining  (count) occurrences left to deliver (0: none; the running one is dropped)
   ARGV[5] first_ms   (ms) nominal time of the first of them ('' when remaining is 0)
+  ARGV[6] position   of the transaction that made it durable in PostgreSQL ('': none; the
+                     rebuild and drift repair). Given, the write and the position are made at
+                     once (invariant 9), and nothing is written when the position is applied
+                     already: the intake after its commit and the sweeper's replay of a shard
+                     that lacks the position each write it, whichever comes first; one written
+                     then may have delivered occurrences since.
 
   A paused schedule's backfill waits for its resume (upsert.lua). Whether it is paused is read
   here, not from the caller: a paused schedule is out of rotation (neither due nor in flight),
   and a pause or resume committed after the caller read the schedule may reach the index first.
 
-  Returns 1 written, 0 stale (a generation at least as new is held).
+  Returns 1 written, 0 stale (a generation at least as new is held, or the position is
+  applied already).
 ]]
-local due, lease, occ, bf = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local due, lease, occ, bf, pos, ahead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local base, generation, to_ms = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local remaining, first_ms = tonumber(ARGV[4]), ARGV[5]
+local position = tonumber(ARGV[6] or '')
 local member = base .. '#b'
+
+--!include lib/position.lua
+
+if position then
+  if position_applied(pos, ahead, position) then
+    return 0
+  end
+  position_advance(pos, ahead, 'note', position)
+end
 local in_rotation = redis.call('ZSCORE', due, base) or redis.call('ZSCORE', lease, base)
 local paused = in_rotation and '' or '1'
 

@@ -3,8 +3,11 @@
 The count lives in Redis (``failures.lua``, batched per shard like completions), so every
 executor adds to the same count. When it reaches N the executor pauses the schedule as a
 ``pause`` command would: PostgreSQL first (state paused at a new version, the reason, an audit
-row), then the index is parked at that version. Should the executor die between the two,
-the sweeper's drift repair sees PostgreSQL ahead of Redis and parks it.
+row, the shard's next position), then the index is parked at that version, and the position is
+recorded in Redis and marked answered (invariant 9): a failover to a replica that lacks the
+park leaves the shard behind its answered position, fenced until the sweeper's position check
+has parked it again, so the schedule does not fire again. Should the executor die between the
+two writes, that position check (the shard is behind PostgreSQL) parks it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from shared.contract import keys, timefmt
 from shared.contract.delivery import Occurrence
 from shared.contract.entries import Upsert
 from shared.contract.rows import CommandAudit, NewScheduleRow
+from shared.postgres import positions
 from shared.postgres.store import Store
 from shared.redis.batcher import Batcher
 from shared.redis.index import Index
@@ -79,7 +83,7 @@ class AutoPause:
     async def pause(self, occ: Occurrence, count: int) -> int | None:
         """Pause the schedule at the version that failed; the new version, or None when a
         command changed it meanwhile (then the failures belong to an older definition)."""
-        paused = await transient.retry(
+        paused, taken = await transient.retry(
             lambda: self._pause_in_store(occ, count), what="auto-pause", stopping=self.stopping
         )
         member = keys.member(occ.namespace, occ.id)
@@ -90,6 +94,7 @@ class AutoPause:
         )
         if paused is None:
             return None
+        await self._answer(taken)
         metrics.AUTO_PAUSED.labels(metrics.NAMESPACES(occ.namespace)).inc()
         log.warning(
             "schedule paused after consecutive failures",
@@ -110,6 +115,21 @@ class AutoPause:
         )
         return paused.version
 
+    async def _answer(self, taken: dict[int, int]) -> None:
+        """The pause's position: recorded in Redis after its park (a replica that has it has
+        the park), then answered in PostgreSQL, so that the dispatchers fence a shard whose
+        index lost the park (as they do for a pause command)."""
+        await transient.retry(
+            lambda: self.index.advance(taken, "note"),
+            what="auto-pause position",
+            stopping=self.stopping,
+        )
+        await transient.retry(
+            lambda: positions.mark_answered(self.store.pool, taken),
+            what="auto-pause answered",
+            stopping=self.stopping,
+        )
+
     async def _park(self, shard: int, member: str, paused: NewScheduleRow | None) -> None:
         if paused is not None:
             await self.index.upsert(
@@ -118,8 +138,12 @@ class AutoPause:
         # A resume starts a fresh count; so does a definition changed meanwhile.
         await self.index.count_failures({shard: [(member, "clear")]})
 
-    async def _pause_in_store(self, occ: Occurrence, count: int) -> NewScheduleRow | None:
+    async def _pause_in_store(
+        self, occ: Occurrence, count: int
+    ) -> tuple[NewScheduleRow | None, dict[int, int]]:
+        """The pause in PostgreSQL, and the shard position it took ({} when not paused)."""
         paused: NewScheduleRow | None = None
+        taken: dict[int, int] = {}
         async with self.store.transaction() as conn:
             row = await self.store.lock_schedule(conn, occ.namespace, occ.id)
             if row is not None and row.state == "active" and row.version == occ.plan.version:
@@ -151,7 +175,8 @@ class AutoPause:
                     ),
                     conn,
                 )
-        return paused
+                taken = await positions.take(conn, [(row.namespace, row.id, occ.shard)])
+        return paused, taken
 
     async def drain(self) -> None:
         await self._counts.drain()

@@ -1,5 +1,6 @@
 """Position replay (invariant 9): each shard of the index brought up to what PostgreSQL has
-committed, by replaying exactly the rows changed after the shard's position.
+committed, by replaying exactly the rows changed after the shard's position, with their
+pending triggers and backfills.
 
 An index goes behind PostgreSQL when Redis fails over to a replica that lagged, or comes back
 from an older snapshot, and (for a moment) when an intake stopped between its commit and its
@@ -11,9 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
+from collections.abc import Mapping
 
+from services.sweeper import backfills, pending
 from services.sweeper.rebuild import same_servers
 from services.sweeper.repair import Repairs
+from shared.contract.entries import Upsert
 from shared.postgres import positions
 from shared.runtime import metrics, transient
 
@@ -59,6 +64,7 @@ class PositionReplay(Repairs):
         batch = self.settings.rebuild_batch
         for start in range(0, len(rows), batch):
             await self.reconcile(rows[start : start + batch])
+        runs = await self.replay_runs(behind)
         if not same_servers(servers, await self._redis_servers()):
             # Another server answers now (a failover meanwhile): it may lack the replay.
             return 0
@@ -71,11 +77,39 @@ class PositionReplay(Repairs):
                 "action": "positions_replayed",
                 "shards": len(behind),
                 "rows": len(rows),
+                "runs": runs,
                 "lag": sum(committed[s] - p for s, p in behind.items()),
                 "duration_s": round(time.monotonic() - started, 3),
             },
         )
         return len(rows)
+
+    async def replay_runs(self, behind: Mapping[int, int]) -> int:
+        """The pending triggers and the backfills whose own position is after their shard's,
+        written with that position unless it is applied already (``run.lua``,
+        ``backfill.lua``): an intake that wrote it first, or one still on its way to Redis,
+        is never doubled (a run it wrote may have been delivered since). One that ran to
+        completion has no row left. Returns how many were written."""
+        written = 0
+        runs = await positions.runs_after(self.store.pool, behind)
+        parks: dict[int, list[Upsert]] = defaultdict(list)
+        for row, _ in runs:
+            park = pending.schedule_park(row)
+            if park is not None:
+                parks[self.index.shard_of(row.run.namespace, row.run.id)].append(park)
+        if parks:
+            await self.index.upsert(dict(parks))
+        for row, position in runs:
+            member = pending.member_of(row.run)
+            if member is not None:
+                shard = self.index.shard_of(row.run.namespace, row.run.id)
+                added = await self.index.add_run(shard, member, row.run.nominal_ms, position)
+                written += int(added)
+        for kept, position in await positions.backfills_after(self.store.pool, behind):
+            shard = self.index.shard_of(kept.namespace, kept.id)
+            started = await self.index.start_backfill(shard, backfills.start_of(kept), position)
+            written += int(started)
+        return written
 
     async def foreign_index(self) -> bool:
         """Whether the index belongs to another database (binding it to this one when it

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from shared.contract.rows import LiveSchedule
+from shared.contract.rows import LiveBackfill, LiveSchedule, PendingRun, PendingRunRow
 from shared.postgres.sql import QUERIES
 
 #: A connection, pooled or not.
@@ -135,6 +135,44 @@ async def changed_after(pool: asyncpg.Pool, after: Mapping[int, int]) -> list[Li
         QUERIES["changed_after_positions"], shards, [after[s] for s in shards]
     )
     return [LiveSchedule.of(r) for r in records]
+
+
+async def stamp_run(conn: Connection, run: PendingRun, position: int) -> None:
+    """In the transaction that added it: the pending run keeps the position taken there."""
+    await conn.execute(
+        QUERIES["stamp_run_position"], run.namespace, run.id, run.kind, run.nominal_ms, position
+    )
+
+
+async def stamp_backfill(conn: Connection, namespace: str, schedule_id: str, position: int) -> None:
+    """In the transaction that started it: the backfill keeps the position taken there."""
+    await conn.execute(QUERIES["stamp_backfill_position"], namespace, schedule_id, position)
+
+
+async def runs_after(
+    pool: asyncpg.Pool, after: Mapping[int, int]
+) -> list[tuple[PendingRunRow, int]]:
+    """The pending runs (triggers) of live schedules of these shards whose own position is
+    after the shard's, each with its position."""
+    if not after:
+        return []
+    shards = sorted(after)
+    records = await pool.fetch(QUERIES["runs_after_positions"], shards, [after[s] for s in shards])
+    return [(PendingRunRow.of(r), int(r["position"])) for r in records]
+
+
+async def backfills_after(
+    pool: asyncpg.Pool, after: Mapping[int, int]
+) -> list[tuple[LiveBackfill, int]]:
+    """The backfills of schedules in rotation or paused of these shards whose own position
+    is after the shard's, each with its position."""
+    if not after:
+        return []
+    shards = sorted(after)
+    records = await pool.fetch(
+        QUERIES["backfills_after_positions"], shards, [after[s] for s in shards]
+    )
+    return [(LiveBackfill.of(r), int(r["position"])) for r in records]
 
 
 async def database_identity(pool: asyncpg.Pool) -> str:

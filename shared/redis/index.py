@@ -476,18 +476,26 @@ class Index:
         due, lease, occ = await self.position(shard, member)
         return due is not None or lease is not None or occ is not None
 
-    async def start_backfill(self, shard: int, start: BackfillStart) -> bool:
+    async def start_backfill(
+        self, shard: int, start: BackfillStart, position: int | None = None
+    ) -> bool:
         """Start (or replace, or restore) a schedule's backfill (backfill.lua); False when a
-        generation at least as new is held already."""
+        generation at least as new is held already. With the ``position`` of the transaction
+        that made it durable, the position is recorded with it, and nothing is written when
+        the position is applied already (invariant 9)."""
         args = [
             start.member,
             start.generation,
             start.to_ms,
             start.remaining,
             _opt(start.first_ms),
+            _opt(position),
         ]
         code = await lua.call(
-            self.client, "backfill", self._keys(shard, "due", "lease", "occ", "bf"), args
+            self.client,
+            "backfill",
+            self._keys(shard, "due", "lease", "occ", "bf", "pos", "ahead"),
+            args,
         )
         return bool(int(code))
 
@@ -524,6 +532,18 @@ class Index:
 
     async def add_trigger(self, shard: int, member: str, fire_ms: int) -> None:
         await self.client.zadd(self.keys.due(shard), {member: fire_ms}, nx=True)
+
+    async def add_run(self, shard: int, member: str, fire_ms: int, position: int) -> bool:
+        """A trigger and the position of the transaction that made it durable, at once
+        (run.lua); False when the position is applied already (the run was written then, and
+        may have run since) or the run is due or in flight."""
+        code = await lua.call(
+            self.client,
+            "run",
+            self._keys(shard, "due", "lease", "pos", "ahead"),
+            [member, fire_ms, position],
+        )
+        return bool(int(code))
 
     # --- reads ------------------------------------------------------------------------------
 

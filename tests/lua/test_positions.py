@@ -1,11 +1,13 @@
 """Positions of the index (advance.lua) and the claim fence (claim.lua, invariant 9): a shard
-whose position is behind a command already answered gives nothing to claim."""
+whose position is behind a command already answered gives nothing to claim. Runs outside the
+rotation (run.lua, backfill.lua) are written with their position, once."""
 
 from __future__ import annotations
 
 import random
 import time
 
+from shared.contract.entries import BackfillStart, Completion
 from shared.redis.index import Index
 from tests.lua.test_scripts import LEASE_MS, NOW, add
 
@@ -85,3 +87,60 @@ async def test_waiting_for_replicas_follows_the_position_on_its_connection(index
     assert await index.advance({0: 1}, "note", wait_replicas=1, wait_timeout_ms=80) == {0: 1}
     assert time.monotonic() - started >= 0.07
     assert (await index.positions())[0] == 1
+
+
+async def test_a_run_and_its_position_are_written_once_whoever_comes_first(index: Index) -> None:
+    """run.lua: the intake after its commit and the sweeper's replay both write a trigger with
+    the position of its transaction; the second finds the position applied and writes nothing,
+    even though the run was claimed and completed in between (it must not run twice)."""
+    await add(index, 0, "ns/a", NOW + 3_600_000)
+    await index.advance({0: 4}, "floor")
+    member = f"ns/a#{NOW - 1}"
+    assert await index.add_run(0, member, NOW - 1, 5) is True
+    assert (await index.positions())[0] == 5
+    [result] = await index.claim([0], 10, LEASE_MS, now_ms=NOW)
+    [taken] = result.claimed
+    assert taken.member == member
+    await index.complete({0: [Completion(member, taken.token, None)]}, now_ms=NOW)
+    assert await index.add_run(0, member, NOW - 1, 5) is False  # the replay, second
+    assert await index.position(0, member) == (None, None, None)
+
+
+async def test_a_run_past_a_gap_counts_as_applied(index: Index) -> None:
+    await index.advance({0: 4}, "floor")
+    assert await index.add_run(0, "ns/a#1", 1, 6) is True  # 5 not applied yet: 6 waits
+    assert (await index.positions())[0] == 4
+    await index.client.zrem(index.keys.due(0), "ns/a#1")  # claimed and completed, say
+    assert await index.add_run(0, "ns/a#1", 1, 6) is False
+    assert await index.add_run(0, "ns/b#1", 1, 5) is True  # the gap closes
+    assert (await index.positions())[0] == 6
+
+
+async def test_a_run_lost_with_its_position_is_written_again(index: Index) -> None:
+    """A failover to a replica that lacks both: the replay writes it."""
+    await index.advance({0: 4}, "floor")
+    assert await index.add_run(0, "ns/a#1", 1, 5) is True
+    await index.client.delete(index.keys.position(0), index.keys.due(0))
+    await index.advance({0: 4}, "floor")
+    assert await index.add_run(0, "ns/a#1", 1, 5) is True
+    assert (await index.position(0, "ns/a#1"))[0] == 1
+
+
+async def test_a_run_in_flight_is_not_added_again(index: Index) -> None:
+    await index.client.zadd(index.keys.lease(0), {"ns/a#1": NOW + LEASE_MS})
+    assert await index.add_run(0, "ns/a#1", 1, 1) is False
+    assert (await index.positions())[0] == 1  # its position is applied all the same
+    assert await index.position(0, "ns/a#1") == (None, NOW + LEASE_MS, None)
+
+
+async def test_a_backfill_written_with_its_position_is_not_written_again(index: Index) -> None:
+    start = BackfillStart("ns/a", 7, NOW - 1000, 3, NOW - 60_000)
+    await index.advance({0: 2}, "floor")
+    assert await index.start_backfill(0, start, 3) is True
+    assert (await index.positions())[0] == 3
+    await index.client.hdel(index.keys.backfill(0), "ns/a")  # it ran to its end, say
+    assert await index.start_backfill(0, start, 3) is False
+    assert await index.backfill_remaining(0, "ns/a") is None
+    # Without a position (the rebuild, drift repair) it is written as before.
+    assert await index.start_backfill(0, start) is True
+    assert await index.backfill_remaining(0, "ns/a") == 3

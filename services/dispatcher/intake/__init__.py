@@ -82,7 +82,9 @@ class Intake:
         self.writes = IndexWrites(index, wake, stopping)
         self.commits = Committer(settings, store, self.writes, stopping, self.now_ms, fence)
         self.reads = Reads(settings, store, index, stopping, self.now_ms)
-        self.runs = Runs(store, self.writes, self.replays, self.now_ms)
+        self.runs = Runs(
+            store, self.writes, self.replays, self.now_ms, self.commits.answer_positions
+        )
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)

@@ -222,18 +222,19 @@ class Committer:
                     # here would never be restored nor removed by a completion.
                     await self.store.drop_backfill(conn, namespace, schedule_id)
         written = await self._index_batch(effect, dropped)
-        await self._answer_positions(taken, written, earlier)
+        await self.answer_positions(taken, written, earlier)
         return effect
 
-    async def _answer_positions(
+    async def answer_positions(
         self, taken: dict[int, int], written: bool, earlier: Mapping[int, int]
     ) -> None:
-        """The batch's writes are in Redis: its positions are recorded there (after the
-        writes: a replica that has them has the writes), then in PostgreSQL as answered, and
-        only then are the commands answered. Answered they are even when Redis refused the
-        writes or the note: the reply says ok (PostgreSQL has the change), so the shard,
-        behind its answered position, is fenced until the sweeper has replayed it; otherwise
-        a deleted or paused schedule would fire from the index that refused its removal.
+        """The writes of these positions are in Redis (a group commit's, a trigger's, a
+        backfill's): they are recorded there (after the writes: a replica that has them has
+        the writes), then in PostgreSQL as answered, and only then are the commands answered.
+        Answered they are even when Redis refused the writes or the note: the reply says ok
+        (PostgreSQL has the change), so the shard, behind its answered position, is fenced
+        until the sweeper has replayed it; otherwise a deleted or paused schedule would fire
+        from the index that refused its removal, and a trigger would never fire.
         ``earlier``: positions of changes made by earlier deliveries of commands answered
         again, answered (not noted: this intake did not write them)."""
         answered = positions.highest(taken, earlier)

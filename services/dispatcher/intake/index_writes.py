@@ -34,17 +34,17 @@ class IndexWrites:
 
     async def place(
         self, namespace: str, schedule_id: str, plan: Plan, placement: rotation.Placement
-    ) -> None:
-        """Write the placement to Redis (after PostgreSQL committed it)."""
+    ) -> bool:
+        """Write the placement to Redis (after PostgreSQL committed it); whether it was made."""
         shard = self.index.shard_of(namespace, schedule_id)
         upsert = rotation.index_write(namespace, schedule_id, plan, compact.encode(plan), placement)
         if upsert is None:
             member = keys.member(namespace, schedule_id)
-            await self.write(lambda: self.index.remove({shard: [(member, plan.version)]}))
-            return
-        await self.write(lambda: self.index.upsert({shard: [upsert]}))
+            return await self.write(lambda: self.index.remove({shard: [(member, plan.version)]}))
+        made = await self.write(lambda: self.index.upsert({shard: [upsert]}))
         if upsert.next_fire_ms is not None:
             await self.wake(shard, upsert.next_fire_ms)
+        return made
 
     async def write(self, write: Callable[[], Awaitable[object]]) -> bool:
         """PostgreSQL has committed: only the index write is repeated while Redis is away.

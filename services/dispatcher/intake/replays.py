@@ -59,12 +59,12 @@ class Replays:
         if applied.verb != verb or applied.body != received.parsed:
             raise batch.message_id_conflict(namespace, message_id, applied.verb)
         reply = applied.reply
-        if verb == "upsert_many":
-            await self.answer_again(namespace, received)
         if verb == "trigger":
             await self.ensure_trigger(namespace, reply)
         elif verb == "backfill" and isinstance(received.command, commands.BackfillCommand):
             await self.ensure_backfill(namespace, received.command.id)
+        if verb in ("upsert_many", "trigger", "backfill"):
+            await self.answer_again(namespace, received)
         return {**reply, "duplicate": True}
 
     async def answer_again(self, namespace: str, received: Received) -> None:

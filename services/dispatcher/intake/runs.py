@@ -4,12 +4,18 @@ Each is made durable in PostgreSQL, with the command's audit row and its reply, 
 says ok, so that a rebuild of a lost index restores it; then it is placed in the index. Both run
 under the schedule's row lock, where the replay check is made again: a copy of the command
 redelivered to another dispatcher may have committed since the check before the transaction.
+
+Each takes its shard's position in its transaction, as every change of a schedule does
+(invariant 9): the schedule's row is stamped with it, and the reply waits until Redis has the
+run and the position is answered. A failover to a replica that lacks the run leaves the shard
+behind its answered position: fenced until the sweeper replays the schedule, pending runs and
+backfill included (``services.sweeper.positions``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from services.dispatcher import batch
@@ -20,12 +26,17 @@ from shared.contract import commands, keys, timefmt
 from shared.contract.entries import BackfillStart
 from shared.contract.errors import ValidationFailed
 from shared.contract.rows import Backfill, CommandAudit, PendingRun, ScheduleRow
+from shared.postgres import positions
 from shared.postgres.store import Store
 from shared.rules import backfill, compact, rotation, schedule
 from shared.rules.plan import Plan
 
 #: How far (ms) a trigger may move forward to get an identity of its own.
 MAX_TRIGGER_SHIFT_MS = 1000
+
+#: ``Committer.answer_positions``: positions taken (written to Redis or not), and positions of
+#: earlier deliveries of a command answered again, recorded and answered before the reply.
+AnswerPositions = Callable[[dict[int, int], bool, Mapping[int, int]], Awaitable[None]]
 
 
 class Runs:
@@ -37,37 +48,47 @@ class Runs:
         writes: IndexWrites,
         replays: Replays,
         now_ms: Callable[[], int],
+        answer: AnswerPositions,
     ) -> None:
         self.store = store
         self.writes = writes
         self.index = writes.index
         self.replays = replays
         self.now_ms = now_ms
+        self.answer = answer
 
     async def trigger(
         self, namespace: str, schedule_id: str, audit: CommandAudit
     ) -> dict[str, Any]:
+        shard = self.index.shard_of(namespace, schedule_id)
         async with self.store.transaction() as conn:
             old = await self._existing(conn, namespace, schedule_id)
             # Again under the row lock: a copy of this command redelivered to another
             # dispatcher may have committed since the check before the transaction.
             earlier = await self.replays.applied_under_lock(conn, namespace, audit, "trigger")
-            if earlier is not None:
+            if earlier is None:
+                # Durable before the reply says ok: a rebuild of a lost index restores it.
+                now = await self._pending_trigger(conn, namespace, schedule_id, self.now_ms())
+                reply = {
+                    "ok": True,
+                    "schedule": view(old, now),
+                    "trigger": {
+                        "fire_time": timefmt.format_ms(now),
+                        "idempotency_key": schedule.trigger_key(namespace, schedule_id, now),
+                    },
+                }
+                await self.replays.record(conn, audit, old.version, reply)
+                taken = await positions.take(conn, [(namespace, schedule_id, shard)])
+                run = PendingRun(namespace, schedule_id, "trigger", now)
+                await positions.stamp_run(conn, run, taken[shard])
+            else:
                 await self.replays.ensure_trigger(namespace, earlier)
-                return {**earlier, "duplicate": True}
-            # Durable before the reply says ok: a rebuild of a lost index restores it.
-            now = await self._pending_trigger(conn, namespace, schedule_id, self.now_ms())
-            reply = {
-                "ok": True,
-                "schedule": view(old, now),
-                "trigger": {
-                    "fire_time": timefmt.format_ms(now),
-                    "idempotency_key": schedule.trigger_key(namespace, schedule_id, now),
-                },
-            }
-            await self.replays.record(conn, audit, old.version, reply)
+                before = await positions.of_schedules(conn, [(namespace, schedule_id)])
+        if earlier is not None:
+            # The first delivery may have died before its index writes: fenced till replayed.
+            await self.answer({}, False, before)
+            return {**earlier, "duplicate": True}
         plan = compact.decode(old.compact)
-        shard = self.index.shard_of(namespace, schedule_id)
         # The trigger needs the schedule in the index; make sure it is there without moving
         # the rotation ('keep' leaves a running rotation alone, 'park' keeps a paused one out).
         current = _current_of(old)
@@ -76,10 +97,15 @@ class Runs:
             if old.state == "active"
             else rotation.Placement("paused", "park", None, old.fires, old.last_fire_ms)
         )
-        await self.writes.place(namespace, schedule_id, plan, placement)
+        placed = await self.writes.place(namespace, schedule_id, plan, placement)
         member = keys.trigger_member(namespace, schedule_id, now)
-        await self.writes.write(lambda: self.index.add_trigger(shard, member, now))
+        # The run and its position at once: the sweeper's replay of a shard that lost it (or
+        # never got it) writes it the same way, and whichever comes second writes nothing.
+        added = await self.writes.write(
+            lambda: self.index.add_run(shard, member, now, taken[shard])
+        )
         await self.writes.wake(shard, now)
+        await self.answer(taken, placed and added, {})
         return reply
 
     async def backfill(
@@ -92,34 +118,42 @@ class Runs:
         now = self.now_ms()
         check_backfill_range(from_ms, to_ms, now)
         schedule_id = command.id
+        shard = self.index.shard_of(namespace, schedule_id)
         async with self.store.transaction() as conn:
             old = await self._existing(conn, namespace, schedule_id)
             earlier = await self.replays.applied_under_lock(conn, namespace, audit, "backfill")
             if earlier is not None:
-                return {**earlier, "duplicate": True}
-            plan = compact.decode(old.compact)
-            check_backfillable(schedule_id, old.state, plan)
-            # Bounded by the limit (100,000 steps at most); counted off the event loop.
-            extent = await asyncio.to_thread(backfill.extent, plan, from_ms, to_ms, command.limit)
-            generation = await self.store.next_backfill_generation(
-                conn, namespace, schedule_id, now
-            )
-            await self.store.put_backfill(
-                conn,
-                Backfill(
-                    namespace,
-                    schedule_id,
-                    generation,
-                    from_ms,
-                    to_ms,
-                    command.limit,
-                    extent.first_ms or 0,
-                    extent.occurrences,
-                ),
-            )
-            reply = {"ok": True, "backfill": {"occurrences": extent.occurrences}}
-            await self.replays.record(conn, audit, old.version, reply)
-        shard = self.index.shard_of(namespace, schedule_id)
+                before = await positions.of_schedules(conn, [(namespace, schedule_id)])
+            else:
+                plan = compact.decode(old.compact)
+                check_backfillable(schedule_id, old.state, plan)
+                # Bounded by the limit (100,000 steps at most); counted off the event loop.
+                extent = await asyncio.to_thread(
+                    backfill.extent, plan, from_ms, to_ms, command.limit
+                )
+                generation = await self.store.next_backfill_generation(
+                    conn, namespace, schedule_id, now
+                )
+                await self.store.put_backfill(
+                    conn,
+                    Backfill(
+                        namespace,
+                        schedule_id,
+                        generation,
+                        from_ms,
+                        to_ms,
+                        command.limit,
+                        extent.first_ms or 0,
+                        extent.occurrences,
+                    ),
+                )
+                reply = {"ok": True, "backfill": {"occurrences": extent.occurrences}}
+                await self.replays.record(conn, audit, old.version, reply)
+                taken = await positions.take(conn, [(namespace, schedule_id, shard)])
+                await positions.stamp_backfill(conn, namespace, schedule_id, taken[shard])
+        if earlier is not None:
+            await self.answer({}, False, before)
+            return {**earlier, "duplicate": True}
         start = BackfillStart(
             keys.member(namespace, schedule_id),
             generation,
@@ -127,9 +161,12 @@ class Runs:
             extent.occurrences,
             extent.first_ms,
         )
-        await self.writes.write(lambda: self.index.start_backfill(shard, start))
+        written = await self.writes.write(
+            lambda: self.index.start_backfill(shard, start, taken[shard])
+        )
         if extent.first_ms is not None and old.state == "active":
             await self.writes.wake(shard, extent.first_ms)
+        await self.answer(taken, written, {})
         return reply
 
     async def _pending_trigger(

@@ -599,6 +599,38 @@ FROM unnest($1::int[], $2::bigint[]) AS r(shard, position)
 JOIN schedules AS s ON s.shard = r.shard AND s.position > r.position
 ORDER BY s.position;
 
+-- runs_after_positions --
+-- The pending runs of live schedules of these shards whose own position is after the shard's
+-- ($1 shards, $2 positions): an index at those positions may lack them. Returns each run's
+-- position with it.
+SELECT p.namespace, p.id, p.kind, p.nominal_ms, p.position, s.version, s.state, s.compact
+FROM unnest($1::int[], $2::bigint[]) AS r(shard, position)
+JOIN schedules AS s ON s.shard = r.shard
+JOIN pending_runs AS p ON p.namespace = s.namespace AND p.id = s.id AND p.position > r.position
+WHERE s.state <> 'deleted'
+ORDER BY p.position;
+
+-- backfills_after_positions --
+-- The backfills of schedules in rotation or paused of these shards whose own position is after
+-- the shard's ($1 shards, $2 positions): an index at those positions may lack them.
+SELECT b.namespace, b.id, b.generation, b.to_ms, b.next_ms, b.remaining, b.position, s.state
+FROM unnest($1::int[], $2::bigint[]) AS r(shard, position)
+JOIN schedules AS s ON s.shard = r.shard
+JOIN backfills AS b ON b.namespace = s.namespace AND b.id = s.id AND b.position > r.position
+WHERE s.state IN ('active', 'paused')
+ORDER BY b.position;
+
+-- stamp_run_position --
+-- A pending run's position ($1 namespace, $2 id, $3 kind, $4 nominal_ms, $5 position), taken in
+-- the transaction that added it.
+UPDATE pending_runs SET position = $5
+WHERE namespace = $1 AND id = $2 AND kind = $3 AND nominal_ms = $4;
+
+-- stamp_backfill_position --
+-- A backfill's position ($1 namespace, $2 id, $3 position), taken in the transaction that
+-- started it.
+UPDATE backfills SET position = $3 WHERE namespace = $1 AND id = $2;
+
 -- database_identity --
 -- Which database this is: the cluster's system identifier and the database's name (the index
 -- records it, so that an index of another database is never fired).
