@@ -194,7 +194,8 @@ class Dispatcher:
         self._published_since_check += messages
         metrics.DELIVERY_MESSAGES.inc(messages)
         if failed:
-            await self._release(failed)
+            why = next(o for o in outcomes if isinstance(o, BaseException))
+            await self._release(failed, why)
 
     def _record_spans(self, claimed: Sequence[Claimed], failed: set[int]) -> None:
         assert self.spans is not None
@@ -223,11 +224,15 @@ class Dispatcher:
             message, routing_key=amqp.DELIVERIES_ROUTING_KEY, mandatory=True, timeout=30
         )
 
-    async def _release(self, failed: Sequence[Claimed]) -> None:
+    async def _release(self, failed: Sequence[Claimed], why: BaseException) -> None:
         metrics.PUBLISH_FAILURES.inc(len(failed))
         log.warning(
             "publish failed; occurrences released",
-            extra={"action": "publish_failed", "occurrences": len(failed)},
+            extra={
+                "action": "publish_failed",
+                "occurrences": len(failed),
+                "error": f"{type(why).__name__}: {why}"[:300],
+            },
         )
         by_shard: dict[int, list[tuple[str, int]]] = defaultdict(list)
         for c in failed:
