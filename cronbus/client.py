@@ -77,6 +77,10 @@ class AccessRefused(CronbusError):
     """RabbitMQ refused the command: the broker user may not publish to this namespace."""
 
 
+def _closed() -> NoReply:
+    return NoReply("the client was closed before the command was sent")
+
+
 class NoReply(CronbusError, TimeoutError):
     """No reply came within the timeout: is a dispatcher running against this broker?
 
@@ -180,6 +184,11 @@ class Client:
             connection, self._connection = self._connection, None
             self._channel = self._replies = self._exchange = None
             await connection.close()
+        # A resend still waiting for the channel ends with the client (it answers NoReply).
+        resending = list(self._resending)
+        for task in resending:
+            task.cancel()
+        await asyncio.gather(*resending, return_exceptions=True)
 
     async def _open(self) -> AbstractConnection:
         return await nodes.connect(self.url, self.app_id, connect_timeout_s=self.timeout_s)
@@ -215,29 +224,40 @@ class Client:
                     waiting.reply.set_exception(exc)
 
     async def _publish(self, routing_key: str, message: aio_pika.Message) -> None:
-        assert self._exchange is not None and self._channel is not None, "not connected"
+        # Held here: close() clears the attributes while a resend may still be waiting.
+        exchange, channel = self._exchange, self._channel
+        if exchange is None or channel is None:
+            raise _closed()
         while True:
             try:
-                await self._exchange.publish(message, routing_key=routing_key)
+                await exchange.publish(message, routing_key=routing_key)
                 return
             except ACCESS_REFUSED as exc:
                 reason = " ".join(str(part) for part in exc.args if part).strip()
                 raise AccessRefused(reason or repr(exc)) from exc
             except _LOST:
-                if not isinstance(self._channel, AbstractRobustChannel):
+                if not isinstance(channel, AbstractRobustChannel):
                     raise
                 # The robust connection is coming back: publish again once it has.
-                await asyncio.sleep(0.2)
-                await self._channel.ready()
+                await self._until_ready(channel, 0.2)
             except aiormq.exceptions.DeliveryError:
                 # Refused by the broker (a nack): a queue electing a new leader after its node
                 # was lost, or the confirms of a channel that went down with its node. Sent
                 # again, with its own message_id: cronbus replays a command, never applies it
                 # twice. The caller's timeout bounds the tries.
-                if not isinstance(self._channel, AbstractRobustChannel):
+                if not isinstance(channel, AbstractRobustChannel):
                     raise
-                await asyncio.sleep(0.5)
-                await self._channel.ready()
+                await self._until_ready(channel, 0.5)
+
+    async def _until_ready(self, channel: AbstractRobustChannel, pause_s: float) -> None:
+        """Wait ``pause_s``, then for ``channel`` to be back; a client closed meanwhile ends
+        the publish with ``NoReply`` (the caller's timeout bounds the rest)."""
+        await asyncio.sleep(pause_s)
+        if self._connection is None:
+            raise _closed()
+        await channel.ready()
+        if self._connection is None:
+            raise _closed()
 
     async def send(
         self,

@@ -1,6 +1,6 @@
 """CRONBUS_AMQP_URL listing several nodes, against the local broker: a node that does not
 answer is passed over at start, and a connection whose node is lost moves to the next one
-with its consumers."""
+with its consumers; a client closed while its node is lost ends its send cleanly."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import contextlib
 from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
+import pytest
 from yarl import URL
 
+from cronbus.client import Client, NoReply
 from shared.rabbitmq import amqp, nodes
 from tests.support.services import free_port
 
@@ -100,3 +102,22 @@ async def test_a_lost_node_moves_the_connection_and_its_consumer_to_the_next(
     finally:
         await connection.close()
         await relay.lose()
+
+
+async def test_a_client_closed_while_its_node_is_lost_ends_the_send_with_no_reply(
+    amqp_url: str,
+) -> None:
+    relay = Relay(urlsplit(amqp_url).port or 5672)
+    client = Client(_via(amqp_url, await relay.start()), timeout_s=10)
+    await client.connect()
+    try:
+        await relay.lose()  # the only node: the send waits for a reconnect that cannot come
+        sending = asyncio.create_task(client.send("ns-closed", "upsert", {"x": 1}))
+        await asyncio.sleep(0.05)
+        await client.close()
+        # Before: AttributeError ('NoneType' object has no attribute 'ready') from the loop.
+        async with asyncio.timeout(5):
+            with pytest.raises(NoReply):
+                await sending
+    finally:
+        await client.close()
