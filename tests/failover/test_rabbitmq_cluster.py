@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -100,6 +101,22 @@ class Round:
     intake_resumed_s: float = 0.0
 
 
+def _broker_state(cluster: RabbitCluster, vhost: str) -> str:
+    """What the broker holds when a command got no reply: its queues and who is connected."""
+    where = quote(vhost, safe="")
+    lines = ["queues (ready, unacked, consumers, leader):"]
+    for q in cluster.api(f"/api/queues/{where}"):
+        lines.append(
+            f"  {q['name']}: {q.get('messages_ready')} {q.get('messages_unacknowledged')} "
+            f"{q.get('consumers')} {q.get('leader')}"
+        )
+    lines.append("connections (node, name):")
+    for c in cluster.api(f"/api/vhosts/{where}/connections"):
+        name = (c.get("client_properties") or {}).get("connection_name")
+        lines.append(f"  {c.get('node')} {name}")
+    return "\n".join(lines)
+
+
 async def _kill_and_judge(
     cluster: RabbitCluster,
     queue: str,
@@ -116,6 +133,7 @@ async def _kill_and_judge(
     # Deleted and paused while the cluster is electing new leaders: none may fire again.
     deleted: dict[str, float] = {}
     paused: dict[str, float] = {}
+    diagnosed: list[bool] = []  # the broker's state printed once per round
 
     async def change(verb: str, schedule_id: str, into: dict[str, float]) -> None:
         sent = time.time()
@@ -123,6 +141,12 @@ async def _kill_and_judge(
             reply = await client.send(workload.namespace, verb, {"id": schedule_id}, timeout_s=30)
         except NoReply:
             print(f"\n{verb} {schedule_id}: no reply within 30s of {sent - kill_ms / 1000:.1f}s")
+            if not diagnosed:
+                diagnosed.append(True)
+                try:
+                    print(_broker_state(cluster, vhost))
+                except (RuntimeError, OSError, KeyError, TypeError) as exc:
+                    print(f"broker state unavailable: {exc!r}")
             return
         assert reply.get("ok"), reply
         into[schedule_id] = time.time() * 1000
