@@ -94,7 +94,12 @@ async def test_an_upgrade_indexes_every_existing_partition_and_new_ones(
     assert sorted(results) == [
         [],
         [],
-        ["0008_attempts_and_rates", "0009_index_positions", "0010_audit_barrier"],
+        [
+            "0008_attempts_and_rates",
+            "0009_index_positions",
+            "0010_audit_barrier",
+            "0011_run_positions",
+        ],
     ]
     conn = await asyncpg.connect(empty_database)
     try:
